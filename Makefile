@@ -1,0 +1,35 @@
+# make quickstart   install, fetch the sample corpus, build tokenizer + dataset, train, sample
+# make test         install and run the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without torch the CPU build is installed, pinned; GPU/HPU systems bring their own
+# torch (the venv sees the system's packages).
+TORCH_PIN ?= torch==2.13.0
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install quickstart test lint clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(PY) tools/fetch_sample_corpus.py --output data/quickstart/shakespeare_works.jsonl
+	$(PY) tools/train_tokenizer.py --input data/quickstart/shakespeare_works.jsonl \
+		--type sentencepiece --vocab-size 2048 --output data/quickstart/tokenizer
+	$(PY) tools/preprocess_data.py --input data/quickstart/shakespeare_works.jsonl \
+		--output-prefix data/quickstart/works --json-keys text --tokenizer-type sentencepiece \
+		--tokenizer-model data/quickstart/tokenizer.model --append-eod --workers 2
+	$(PY) pretrain.py recipes/quickstart.yaml
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,209 @@
+"""The one typed schema of a recipe.
+
+Every key a recipe may set is a field below, with its default and a docstring under it. Fields
+with a fixed set of values declare them with ``choice(...)``; the loader checks them and names
+the allowed values. Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def choice(default: Any, *allowed: Any) -> Any:
+    """A field whose value must be one of ``allowed`` (the default is always allowed)."""
+    return field(default=default, metadata={"choices": (default, *allowed)})
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    type: str = choice("sentencepiece", "huggingface", "char")
+    """Tokenizer family: a sentencepiece ``.model`` file, a Hugging Face tokenizer directory, or
+    a character-level vocabulary (JSON list of characters)."""
+    model: Optional[str] = None
+    """Path of the tokenizer: the ``.model`` file, the Hugging Face directory, or the char JSON."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prefix: Optional[str] = None
+    """Prefix of the indexed dataset (``PREFIX.bin``/``PREFIX.idx``), e.g.
+    ``data/shakespeare/works_text_document``."""
+    build_from: Optional[str] = None
+    """Raw text (a ``.txt`` file: one document; or ``.jsonl`` with a ``text`` key) to build the
+    dataset (and, for ``char``, the vocabulary) from when ``prefix`` does not exist yet."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """How text becomes tokens."""
+    seq_length: int = 1024
+    """Tokens per training sample (each sample reads ``seq_length + 1`` tokens)."""
+    valid_fraction: float = 0.05
+    """Fraction of the token stream (its tail) held out for validation."""
+    num_workers: int = 1
+    """Data-loader worker processes per rank (0 reads in the training process)."""
+    seed: int = 1234
+    """Seed of the sample shuffle (independent of ``training.seed``)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: Optional[int] = None
+    """Vocabulary size; null takes the tokenizer's, then pads it to ``vocab_multiple``."""
+    vocab_multiple: int = 128
+    """Pad the vocabulary to a multiple of this (1 keeps it as is)."""
+    n_layers: int = 12
+    """Transformer blocks."""
+    n_heads: int = 12
+    """Attention (query) heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; null means ``n_heads`` (multi-head)."""
+    d_model: int = 768
+    """Hidden size."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; null means 4·d_model for GELU and Llama's rounded 8/3·d_model for SwiGLU."""
+    ffn_multiple: int = 256
+    """SwiGLU's derived ``ffn_hidden`` is rounded up to a multiple of this."""
+    max_seq_len: Optional[int] = None
+    """Longest sequence (size of learned positions / RoPE table); null means ``data.seq_length``."""
+    position: str = choice("rope", "learned")
+    """Position encoding: rotary (Llama) or learned absolute embeddings (GPT-2)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm: str = choice("rmsnorm", "layernorm")
+    """Normalisation layer."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: str = choice("swiglu", "gelu")
+    """MLP activation: SwiGLU (gated, Llama) or GELU (tanh approximation, GPT-2)."""
+    bias: bool = False
+    """Biases in linear layers and LayerNorm."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation; output projections are scaled down by
+    sqrt(2·n_layers) (GPT-2/Megatron scaled init)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size."""
+    pipeline: int = 1
+    """Pipeline-parallel size."""
+    zero_stage: int = choice(0, 1, 2, 3)
+    """DeepSpeed ZeRO stage for the data-parallel dimension."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (never applied to norms, biases or embeddings of positions)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_iters: int = 0
+    """Linear warm-up steps from 0 to ``optimizer.lr``."""
+    decay_style: str = choice("cosine", "linear", "constant")
+    """Shape of the decay from ``optimizer.lr`` to ``optimizer.min_lr``."""
+    decay_iters: Optional[int] = None
+    """Step at which the decay reaches ``min_lr``; null means the end of training."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    iters: Optional[int] = None
+    """Optimizer steps to train for (give this or ``train_tokens``)."""
+    train_tokens: Optional[int] = None
+    """Token budget; converted to steps as ``ceil(train_tokens / (global_batch_size·seq_length))``."""
+    micro_batch_size: int = 1
+    """Samples per rank per forward pass."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data-parallel ranks; null means micro_batch_size·dp
+    (no accumulation). Must be a multiple of micro_batch_size·dp."""
+    log_interval: int = 10
+    """Steps between console/metrics lines."""
+    eval_interval: int = 500
+    """Steps between evaluations (also done at the end; 0 evaluates only at the end)."""
+    eval_iters: int = 50
+    """Validation batches (of global_batch_size samples) per evaluation."""
+    seed: int = 1234
+    """Seed of parameter initialisation and dropout."""
+    device: str = choice("auto", "cpu", "cuda", "hpu")
+    """Accelerator; ``auto`` takes what DeepSpeed detects."""
+    precision: str = choice("fp32", "bf16", "fp16")
+    """Training precision (bf16/fp16 through DeepSpeed's mixed-precision engine)."""
+    sample_prompt: str = "\n"
+    """Prompt of the text sample generated at each evaluation (empty disables sampling)."""
+    sample_tokens: int = 200
+    """Tokens generated for the sample."""
+    sample_temperature: float = 0.8
+    """Sampling temperature (0 is greedy)."""
+    sample_top_k: int = 200
+    """Sample among the top-k tokens (0 keeps all)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Where checkpoints go; null disables saving and resuming."""
+    save_interval: int = 0
+    """Steps between saves (0: only at the end, when ``dir`` is set)."""
+    resume: bool = True
+    """Resume from the latest checkpoint in ``dir`` when there is one."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    dir: str = "runs/default"
+    """Run directory: receives ``config.yaml``, ``metrics.jsonl`` and the TensorBoard events."""
+    tensorboard: bool = True
+    """Write TensorBoard events into ``dir``."""
+    wandb_mode: str = choice("disabled", "offline", "online")
+    """Weights & Biases: off, offline files in ``dir/wandb`` (no network), or online."""
+    wandb_project: str = "megatron_lite"
+    """Weights & Biases project name."""
+    run_name: Optional[str] = None
+    """Run name for W&B; null uses the run directory's name."""
+
+
+@dataclass(frozen=True)
+class Config:
+    base: Optional[str] = None
+    """Recipe this one extends (a path relative to this recipe's file); its keys are overridden."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and tokenizer."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout (data parallelism is the world size divided by the others)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW settings."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Loop, batch and budget."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run directory and loggers."""
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Extra DeepSpeed config keys, deep-merged over the generated config (they win)."""
+    tags: list[str] = field(default_factory=list)
+    """Free-form labels recorded with the run."""

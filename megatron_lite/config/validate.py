@@ -1,0 +1,97 @@
+"""Checks on a typed Config: allowed values and cross-field consistency.
+
+Each check appends a message naming the key(s), the value(s) and what is allowed; the caller
+reports all of them at once. Checks that need the world size live in ``ParallelDims``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_lite.config.schema import Config
+
+
+def _check_choices(obj: Any, prefix: str, problems: list[str]) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        allowed = f.metadata.get("choices")
+        if allowed is not None and value not in allowed:
+            shown = ", ".join(repr(a) for a in allowed)
+            problems.append(f"'{path}' = {value!r} is not allowed; choose one of {shown}")
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, path + ".", problems)
+
+
+def validate(cfg: Config) -> list[str]:
+    """All problems found in ``cfg`` (empty when it is consistent)."""
+    problems: list[str] = []
+    _check_choices(cfg, "", problems)
+    m, d, t, o, s = cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.schedule
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            problems.append(msg)
+
+    for key, value in [
+        ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.d_model", m.d_model),
+        ("model.vocab_multiple", m.vocab_multiple), ("data.seq_length", d.seq_length),
+        ("training.micro_batch_size", t.micro_batch_size),
+        ("training.log_interval", t.log_interval), ("training.eval_iters", t.eval_iters),
+        ("parallel.tensor", cfg.parallel.tensor), ("parallel.pipeline", cfg.parallel.pipeline),
+    ]:
+        need(value >= 1, f"'{key}' = {value} must be at least 1")
+    for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
+                       ("model.vocab_size", m.vocab_size), ("model.max_seq_len", m.max_seq_len),
+                       ("training.global_batch_size", t.global_batch_size)]:
+        need(value is None or value >= 1, f"'{key}' = {value} must be at least 1 (or null)")
+    if m.n_heads >= 1:
+        need(m.d_model % m.n_heads == 0,
+             f"'model.d_model' = {m.d_model} must be divisible by 'model.n_heads' = {m.n_heads}")
+        kv = m.n_kv_heads or m.n_heads
+        need(kv >= 1 and m.n_heads % kv == 0,
+             f"'model.n_heads' = {m.n_heads} must be divisible by 'model.n_kv_heads' = {kv}")
+        if m.position == "rope" and m.d_model % m.n_heads == 0:
+            need((m.d_model // m.n_heads) % 2 == 0,
+                 f"rope needs an even head size; 'model.d_model'/'model.n_heads' = "
+                 f"{m.d_model // m.n_heads}")
+    if m.max_seq_len is not None:
+        need(m.max_seq_len >= d.seq_length,
+             f"'model.max_seq_len' = {m.max_seq_len} is shorter than 'data.seq_length' = "
+             f"{d.seq_length}")
+    need(0.0 <= m.dropout < 1.0, f"'model.dropout' = {m.dropout} must be in [0, 1)")
+    need(0.0 < d.valid_fraction < 1.0,
+         f"'data.valid_fraction' = {d.valid_fraction} must be between 0 and 1 (exclusive)")
+    need(d.num_workers >= 0, f"'data.num_workers' = {d.num_workers} must be 0 or more")
+    need(d.prefix is not None, "'data.prefix' is required: the .bin/.idx prefix to train on")
+    need(d.tokenizer.model is not None,
+         "'data.tokenizer.model' is required: the tokenizer file or directory")
+
+    need((t.iters is None) != (t.train_tokens is None),
+         "give exactly one of 'training.iters' and 'training.train_tokens' "
+         f"(got iters={t.iters}, train_tokens={t.train_tokens})")
+    for key, value in [("training.iters", t.iters), ("training.train_tokens", t.train_tokens)]:
+        need(value is None or value >= 1, f"'{key}' = {value} must be at least 1")
+    if t.global_batch_size is not None and t.micro_batch_size >= 1:
+        need(t.global_batch_size % t.micro_batch_size == 0,
+             f"'training.global_batch_size' = {t.global_batch_size} must be a multiple of "
+             f"'training.micro_batch_size' = {t.micro_batch_size}")
+    need(t.eval_interval >= 0, f"'training.eval_interval' = {t.eval_interval} must be 0 or more")
+
+    need(o.lr > 0, f"'optimizer.lr' = {o.lr} must be positive")
+    need(0 <= o.min_lr <= o.lr,
+         f"'optimizer.min_lr' = {o.min_lr} must be between 0 and 'optimizer.lr' = {o.lr}")
+    need(o.grad_clip >= 0, f"'optimizer.grad_clip' = {o.grad_clip} must be 0 (off) or positive")
+    need(s.warmup_iters >= 0, f"'schedule.warmup_iters' = {s.warmup_iters} must be 0 or more")
+    if t.iters is not None:
+        need(s.warmup_iters <= t.iters,
+             f"'schedule.warmup_iters' = {s.warmup_iters} exceeds 'training.iters' = {t.iters}")
+    if s.decay_iters is not None:
+        need(s.decay_iters >= s.warmup_iters,
+             f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "
+             f"('schedule.warmup_iters' = {s.warmup_iters})")
+
+    need(cfg.checkpoint.save_interval >= 0,
+         f"'checkpoint.save_interval' = {cfg.checkpoint.save_interval} must be 0 or more")
+    return problems

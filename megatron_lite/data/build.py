@@ -1,0 +1,42 @@
+"""First-run dataset building from ``data.build_from`` (e.g. shakespeare-char's raw text)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_lite.config.schema import DataConfig
+from megatron_lite.data.indexed import dataset_exists
+from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.tokenizers import CharTokenizer
+
+SUFFIX = "_text_document"
+
+
+def ensure_dataset(cfg: DataConfig, log=print) -> None:
+    """Build ``cfg.prefix`` (and a missing char vocabulary) from ``cfg.build_from`` if absent.
+
+    Call on one rank only; the others wait at a barrier. Reuses what exists.
+    """
+    assert cfg.prefix is not None and cfg.tokenizer.model is not None
+    if dataset_exists(cfg.prefix):
+        return
+    if cfg.build_from is None:
+        raise FileNotFoundError(
+            f"dataset '{cfg.prefix}.bin/.idx' does not exist; build it with tools/preprocess_data.py "
+            "or set data.build_from to the raw text to build it from")
+    source = Path(cfg.build_from)
+    if not source.is_file():
+        raise FileNotFoundError(f"data.build_from: '{source}' does not exist")
+    if not cfg.prefix.endswith(SUFFIX):
+        raise ValueError(f"data.prefix '{cfg.prefix}' must end with '{SUFFIX}' to be built from "
+                         "data.build_from (Megatron's PREFIX_text_document naming)")
+    tok = cfg.tokenizer
+    if tok.type == "char" and not Path(tok.model).exists():
+        text = source.read_text(encoding="utf-8") if source.suffix not in (".jsonl", ".json") else None
+        if text is None:
+            raise ValueError("a char vocabulary can only be built from a plain-text data.build_from")
+        CharTokenizer.build(text, tok.model)
+        log(f"built char vocabulary {tok.model}")
+    log(f"building dataset {cfg.prefix} from {source}")
+    preprocess([str(source)], cfg.prefix[: -len(SUFFIX)], ["text"], tok.type, tok.model,
+               append_eod=tok.type != "char", log=log)

@@ -1,0 +1,124 @@
+"""Megatron-LM compatible indexed datasets: ``PREFIX.bin`` (tokens) + ``PREFIX.idx`` (index).
+
+The ``.idx`` layout (``MMIDIDX`` version 1, little-endian), as Megatron-LM reads it::
+
+    b"MMIDIDX\\x00\\x00"  | u64 version=1 | u8 dtype code | u64 n_sequences | u64 n_doc_indices
+    i32[n_sequences] sequence lengths (tokens)
+    i64[n_sequences] sequence byte offsets into .bin
+    i64[n_doc_indices] document boundaries as sequence indices (starts with 0)
+
+The file format is the interchange contract with Megatron-LM tooling, which is why it is
+written here rather than taken from a library: no maintained package writes it standalone.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+HEADER = b"MMIDIDX\x00\x00"
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
+CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while ids fit (Megatron's choice), else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def dataset_exists(prefix: str | Path) -> bool:
+    return Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()
+
+
+class IndexedDatasetWriter:
+    """Streams documents to ``PREFIX.bin.tmp``/``.idx.tmp``; ``finalize`` renames both into place,
+    so an interrupted write never leaves a pair that looks valid."""
+
+    def __init__(self, prefix: str | Path, dtype: np.dtype):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._bin = open(f"{self.prefix}.bin.tmp", "wb")
+        self._lengths: list[np.ndarray] = []
+        self.n_tokens = 0
+
+    def add_documents(self, docs: Iterable[Iterable[int] | np.ndarray]) -> None:
+        """Append documents (one sequence each) in order."""
+        arrays = [np.asarray(d, dtype=self.dtype) for d in docs]
+        if not arrays:
+            return
+        self._bin.write(np.concatenate(arrays).tobytes(order="C"))
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        self._lengths.append(lengths)
+        self.n_tokens += int(lengths.sum())
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError("a document longer than 2^31 tokens cannot be indexed")
+        pointers = np.zeros(lengths.size, dtype=np.int64)
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        doc_idx = np.arange(lengths.size + 1, dtype=np.int64)
+        with open(f"{self.prefix}.idx.tmp", "wb") as f:
+            f.write(HEADER)
+            f.write(struct.pack("<Q", 1))
+            f.write(struct.pack("<B", CODE_OF[self.dtype]))
+            f.write(struct.pack("<Q", lengths.size))
+            f.write(struct.pack("<Q", doc_idx.size))
+            f.write(lengths.astype(np.int32).tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(doc_idx.tobytes(order="C"))
+        # .bin first: a .idx in place always describes a complete .bin.
+        os.replace(f"{self.prefix}.bin.tmp", f"{self.prefix}.bin")
+        os.replace(f"{self.prefix}.idx.tmp", f"{self.prefix}.idx")
+
+    def abort(self) -> None:
+        self._bin.close()
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            Path(self.prefix + suffix).unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of a ``PREFIX.bin/.idx`` pair."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = str(prefix)
+        if not dataset_exists(prefix):
+            raise FileNotFoundError(
+                f"indexed dataset '{prefix}.bin/.idx' not found; build it with "
+                "tools/preprocess_data.py (or set data.build_from)")
+        idx = np.memmap(f"{prefix}.idx", dtype=np.uint8, mode="r")
+        if bytes(idx[:9]) != HEADER:
+            raise ValueError(f"'{prefix}.idx' is not an MMIDIDX index (bad header)")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(idx[9:34]))
+        if version != 1 or code not in DTYPE_CODES:
+            raise ValueError(f"'{prefix}.idx': unsupported version {version} or dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        offset = 34
+        self.lengths = np.frombuffer(idx, np.int32, n_seq, offset)
+        offset += 4 * n_seq
+        self.pointers = np.frombuffer(idx, np.int64, n_seq, offset)
+        offset += 8 * n_seq
+        self.doc_idx = np.frombuffer(idx, np.int64, n_doc, offset)
+        self.tokens = np.memmap(f"{prefix}.bin", dtype=self.dtype, mode="r")
+        expected = int(self.pointers[-1]) // self.dtype.itemsize + int(self.lengths[-1]) if n_seq else 0
+        if self.tokens.size != expected:
+            raise ValueError(f"'{prefix}.bin' holds {self.tokens.size} tokens but its index "
+                             f"describes {expected}: the pair is inconsistent, rebuild it")
+
+    def __len__(self) -> int:
+        return self.lengths.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return np.asarray(self.tokens[start:start + int(self.lengths[i])])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)

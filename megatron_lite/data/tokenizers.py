@@ -1,0 +1,110 @@
+"""Tokenizers behind one small interface: sentencepiece, Hugging Face (local), character-level.
+
+Nothing here touches the network: Hugging Face tokenizers load with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod_id: int | None
+    """End-of-document id appended between documents (None when the vocabulary has none)."""
+    bos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class CharTokenizer:
+    """One id per character, from a JSON list of characters (nanoGPT shakespeare_char style)."""
+
+    bos_id = None
+
+    def __init__(self, path: str | Path):
+        chars = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise ValueError(f"char vocabulary '{path}' must be a JSON list of single characters")
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+        self.eod_id = None
+
+    @staticmethod
+    def build(text: str, path: str | Path) -> CharTokenizer:
+        """Write the sorted character set of ``text`` to ``path`` and load it."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(sorted(set(text)), ensure_ascii=False), encoding="utf-8")
+        return CharTokenizer(path)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary") from None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: str | Path):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # sentencepiece encodes a list in its own C++ threads.
+        return self.sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+class HFTokenizer:
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.vocab_size = len(self.tok)
+        self.eod_id = self.tok.eos_token_id
+        self.bos_id = self.tok.bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids))
+
+
+def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
+    """The tokenizer of ``kind`` ('char', 'sentencepiece', 'huggingface') stored at ``path``."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer '{path}' does not exist (data.tokenizer.model)")
+    if kind == "char":
+        return CharTokenizer(path)
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(path)
+    if kind == "huggingface":
+        return HFTokenizer(path)
+    raise ValueError(f"tokenizer type '{kind}' is not one of 'char', 'sentencepiece', 'huggingface'")

@@ -1,0 +1,74 @@
+"""Rank, world size and rendezvous address from whatever launched this process.
+
+The only place that reads launcher environment variables. Recognised, in order: torchrun /
+the DeepSpeed launcher (``RANK``), Open MPI (``OMPI_COMM_WORLD_*``), MPICH / Cray PALS
+(``PMI_*``, ``PALS_*``), Slurm (``SLURM_*``); none of them means a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def _first_host(env: Mapping[str, str]) -> str | None:
+    nodefile = env.get("PBS_NODEFILE")
+    if nodefile and os.path.isfile(nodefile):
+        with open(nodefile) as f:
+            for line in f:
+                if line.strip():
+                    return line.strip()
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """The launch environment described by ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+
+    def get(*names: str, default: str | None = None) -> str | None:
+        for n in names:
+            if env.get(n, "") != "":
+                return env[n]
+        return default
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher, rank, world = "torchrun", get("RANK"), get("WORLD_SIZE")
+        local = get("LOCAL_RANK", default="0")
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher, rank, world = "openmpi", get("OMPI_COMM_WORLD_RANK"), get("OMPI_COMM_WORLD_SIZE")
+        local = get("OMPI_COMM_WORLD_LOCAL_RANK", default="0")
+    elif "PMI_RANK" in env:
+        launcher, rank, world = "mpich", get("PMI_RANK"), get("PMI_SIZE")
+        local = get("PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", default="0")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher, rank, world = "slurm", get("SLURM_PROCID"), get("SLURM_NTASKS")
+        local = get("SLURM_LOCALID", default="0")
+    else:
+        launcher, rank, world, local = "none", "0", "1", "0"
+    if world is None:
+        raise RuntimeError(f"launched by {launcher} but the world size is not set in the environment")
+    addr = get("MASTER_ADDR") or _first_host(env) or "127.0.0.1"
+    port = get("MASTER_PORT")
+    if port is None:
+        # A lone process picks a free port so that several can run side by side; launched jobs
+        # need one agreed port.
+        port = str(_free_port()) if launcher == "none" else "29500"
+    return LaunchEnv(int(rank), int(local), int(world), addr, int(port), launcher)

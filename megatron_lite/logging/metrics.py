@@ -1,0 +1,80 @@
+"""Run metrics to the console, ``metrics.jsonl``, TensorBoard and Weights & Biases (rank 0 only).
+
+``metrics.jsonl`` is a stable contract (docs/run_directory.md): one JSON object per line, a
+training record per logged step and an evaluation record per evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_lite.config.schema import Config
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, config_dict: dict[str, Any]):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir))
+        if cfg.logging.wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.logging.wandb_project, name=cfg.logging.run_name or run_dir.name,
+                dir=str(run_dir), mode=cfg.logging.wandb_mode, config=config_dict)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (must hold ``step``) to every sink."""
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        scalars = {k: v for k, v in record.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def console_line(r: dict[str, Any], total_iters: int) -> str:
+    parts = [f"step {r['step']:>6}/{total_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"gnorm {r['grad_norm']:.3f}")
+    parts += [f"{r['step_time_ms']:.1f} ms/step", f"{r['tokens_per_sec']:,.0f} tok/s",
+              f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",
+              f"{r['tflops_per_device']:.2f} TFLOP/s/dev"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts.append(f"mem {r['memory_gib']:.2f} GiB")
+    return " | ".join(parts)

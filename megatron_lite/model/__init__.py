@@ -1,0 +1,39 @@
+"""The model: one transformer for GPT- and Llama-style configs, FLOP accounting, HF converters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.flops import count_parameters, flops_per_token, matmul_parameters
+from megatron_lite.model.transformer import Transformer
+
+
+def padded_vocab_size(vocab: int, multiple: int) -> int:
+    """Vocabulary rounded up to ``multiple`` (Megatron pads for efficient matmul shapes)."""
+    return multiple * math.ceil(vocab / multiple)
+
+
+def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int) -> ModelConfig:
+    """Fill the fields a recipe may leave to the data: vocab size (padded) and maximum length."""
+    vocab = cfg.vocab_size
+    if vocab is None:
+        if tokenizer_vocab is None:
+            raise ValueError("'model.vocab_size' is null and no tokenizer gives one")
+        vocab = padded_vocab_size(tokenizer_vocab, cfg.vocab_multiple)
+    return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_length)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
+    """The plain model with its parameters initialised on ``device`` (``meta`` allocates none)."""
+    with torch.device(device):
+        return Transformer(cfg)
+
+
+__all__ = [
+    "Transformer", "build_model", "resolve_model", "padded_vocab_size", "count_parameters",
+    "flops_per_token", "matmul_parameters",
+]

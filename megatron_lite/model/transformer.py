@@ -1,0 +1,194 @@
+"""One decoder-only transformer; GPT-2 and Llama are configurations of it.
+
+Plain single-device PyTorch: no process groups, no DeepSpeed. Parallelism is applied to this
+model by separate steps (``megatron_lite.parallel``), never inside it.
+
+Switches (``ModelConfig``): learned positions or RoPE; LayerNorm or RMSNorm; GELU or SwiGLU;
+biases; tied embeddings; grouped-query attention (``n_kv_heads < n_heads``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_lite.config.schema import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    """MLP inner size: 4·d for GELU; Llama's 2/3·4·d rounded up to ``ffn_multiple`` for SwiGLU."""
+    if cfg.ffn_hidden is not None:
+        return cfg.ffn_hidden
+    if cfg.activation == "gelu":
+        return 4 * cfg.d_model
+    hidden = int(2 * 4 * cfg.d_model / 3)
+    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as Llama does: bf16 sums of squares lose too much.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_len, head_dim) in the half-split layout (Llama / HF ``rotate_half``)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) queries or keys by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        # One fused projection, laid out [q (all heads) | k (kv heads) | v (kv heads)]: one matmul
+        # instead of three; the tensor-parallel step slices each part by heads.
+        qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, H·hd)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.gated = cfg.activation == "swiglu"
+        # SwiGLU's gate and up projections are fused the same way as qkv: [gate | up].
+        self.up = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # (B, T, F) or (B, T, 2F)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.down(h)  # (B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V), or the mean next-token loss when targets are given."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None or cfg.max_seq_len is None:
+            raise ValueError("ModelConfig needs vocab_size and max_seq_len resolved (see resolve_model)")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2/Megatron init: N(0, std) everywhere, output projections of the residual branches
+        N(0, std/sqrt(2·n_layers)) so the residual stream's variance does not grow with depth."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        scaled = std / math.sqrt(2 * self.cfg.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=scaled)
+            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=scaled)
+        if self.rope_cos is not None and self.rope_cos.device.type != "meta":
+            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
+                                   self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = tokens.shape
+        x = self.tok_emb(tokens)  # (B, T, D)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=tokens.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))

@@ -1,0 +1,1 @@
+"""DeepSpeed engine, LR schedule, optimizer, and the training loop."""

@@ -1,0 +1,25 @@
+"""AdamW with weight decay on matrices only (never on norms or biases)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.config.schema import OptimizerConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for p in model.parameters():  # a tied weight appears once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+    # torch's fused AdamW has kernels for CUDA and CPU; elsewhere the multi-tensor path.
+    fused = device_type in ("cuda", "cpu")
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused, foreach=None if fused else True)

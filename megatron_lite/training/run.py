@@ -1,0 +1,97 @@
+"""One run, start to end: the path ``pretrain.py`` takes after the config is loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import Config, to_yaml
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.data import build_data, load_tokenizer
+from megatron_lite.data.build import ensure_dataset
+from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.logging import MetricsLogger
+from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
+from megatron_lite.training.engine import build_engine, deepspeed_config
+from megatron_lite.training.trainer import RunResult, Trainer
+
+
+def total_iters(cfg: Config, global_batch: int) -> int:
+    t = cfg.training
+    if t.iters is not None:
+        return t.iters
+    assert t.train_tokens is not None
+    return math.ceil(t.train_tokens / (global_batch * cfg.data.seq_length))
+
+
+def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
+    """Resolved model config, parameter count and training FLOPs per token, from the meta device.
+
+    The vocabulary comes from ``model.vocab_size`` or, when that is null, from the tokenizer.
+    """
+    vocab = None
+    if cfg.model.vocab_size is None:
+        tok = cfg.data.tokenizer
+        assert tok.model is not None
+        vocab = load_tokenizer(tok.type, tok.model).vocab_size
+    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length)
+    params = count_parameters(build_model(model_cfg, "meta"))
+    return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
+
+
+def run(cfg: Config) -> RunResult:
+    env = detect()
+    dims, acc = init_distributed(cfg, env)
+
+    def log(msg: str) -> None:
+        if dims.is_main:
+            print(msg, flush=True)
+
+    if dims.is_main:
+        ensure_dataset(cfg.data, log=log)
+    dist.barrier()
+    data = build_data(cfg.data, pin_memory=acc.device_name() == "cuda")
+    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length)
+    if model_cfg.vocab_size < data.tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{data.tokenizer.vocab_size}")
+    iters = total_iters(cfg, dims.global_batch(cfg))
+
+    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
+    model = build_model(model_cfg, acc.current_device_name())
+    torch.manual_seed(cfg.training.seed + 1 + dims.dp_rank)  # dropout differs across replicas
+    engine = build_engine(model, cfg, dims, iters, acc.device_name())
+
+    run_dir = Path(cfg.logging.dir)
+    fpt = flops_per_token(model_cfg, cfg.data.seq_length)
+    runtime = {
+        "world_size": dims.world_size, "data_parallel": dims.data, "tensor_parallel": dims.tensor,
+        "pipeline_parallel": dims.pipeline, "global_batch_size": dims.global_batch(cfg),
+        "grad_accumulation": dims.grad_accumulation(cfg), "iters": iters,
+        "vocab_size": model_cfg.vocab_size, "tokenizer_vocab_size": data.tokenizer.vocab_size,
+        "parameters": count_parameters(model), "flops_per_token": fpt,
+        "device": acc.device_name(), "deepspeed_config": deepspeed_config(cfg, dims),
+    }
+    if dims.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "runtime.json").write_text(json.dumps(runtime, indent=2))
+    log(f"model: {runtime['parameters']:,} parameters, {fpt / 1e9:.3f} GFLOPs/token | "
+        f"world {dims.world_size} (dp {dims.data}) | global batch {runtime['global_batch_size']} "
+        f"(micro {cfg.training.micro_batch_size} × accum {runtime['grad_accumulation']}) | "
+        f"{iters} iters | device {acc.device_name()}")
+
+    logger = MetricsLogger(cfg, run_dir, dims.is_main, json.loads(json.dumps(runtime)))
+    try:
+        trainer = Trainer(cfg, dims, acc, engine, data, logger, iters, fpt, log)
+        trainer.maybe_resume()
+        result = trainer.train()
+    finally:
+        logger.close()
+    if result.final_val_loss is not None:
+        log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
+    return result

@@ -1,0 +1,175 @@
+"""The training loop: steps, metrics, evaluation, samples and checkpoints.
+
+No host-device synchronisation inside a step: losses are summed on the device and read only at
+log intervals.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_lite.config.schema import Config
+from megatron_lite.data import DataSource, GlobalBatchSampler
+from megatron_lite.distributed import device as devmod
+from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean
+from megatron_lite.logging import MetricsLogger, console_line
+from megatron_lite.training.engine import trainer_clips_gradients
+from megatron_lite.training.generate import sample
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+
+
+@dataclass
+class RunResult:
+    steps: int
+    final_val_loss: float | None
+    sample_text: str | None
+    history: list[dict] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims, acc, engine, data: DataSource,
+                 logger: MetricsLogger, total_iters: int, flops_per_token: float,
+                 log: Callable[[str], None]):
+        self.cfg, self.dims, self.acc, self.engine, self.data = cfg, dims, acc, engine, data
+        self.logger, self.total_iters, self.log = logger, total_iters, log
+        self.flops_per_token = flops_per_token
+        self.device = torch.device(acc.current_device_name())
+        self.global_batch = dims.global_batch(cfg)
+        self.grad_accum = dims.grad_accumulation(cfg)
+        self.tokens_per_step = self.global_batch * cfg.data.seq_length
+        self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
+        self.state = TrainState()
+        self.own_clipping = trainer_clips_gradients(cfg)
+        self.grad_norm: torch.Tensor | None = None
+
+    # ---- checkpoints (DeepSpeed's format; the checkpoint issue replaces this) ----
+    def maybe_resume(self) -> None:
+        ck = self.cfg.checkpoint
+        if ck.dir and ck.resume and (Path(ck.dir) / "latest").is_file():
+            path, client = self.engine.load_checkpoint(ck.dir)
+            if path is None:
+                raise RuntimeError(f"could not load the checkpoint named by {ck.dir}/latest")
+            self.state = TrainState(client["step"], client["consumed_samples"])
+            self.log(f"resumed from {path} at step {self.state.step}")
+
+    def save(self) -> None:
+        ck = self.cfg.checkpoint
+        tag = f"global_step{self.state.step}"
+        self.engine.save_checkpoint(ck.dir, tag=tag, client_state=vars(self.state).copy())
+        self.log(f"saved checkpoint {ck.dir}/{tag}")
+
+    # ---- evaluation ----
+    def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool):
+        sampler = GlobalBatchSampler(consumed, self.global_batch, self.cfg.training.micro_batch_size,
+                                     self.dims.dp_rank, self.dims.data, wrap=wrap)
+        if not workers:
+            return (torch.stack([dataset[i] for i in idx]) for idx in sampler)
+        return self.data.loader(dataset, sampler)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        batches = self._batches(self.data.valid, 0, len(self.data.valid), workers=False)
+        total = torch.zeros((), device=self.device)
+        n = self.cfg.training.eval_iters * self.grad_accum
+        for _ in range(n):
+            batch = next(batches).to(self.device)
+            total += self.engine(batch[:, :-1], batch[:, 1:]).float()
+        self.engine.train()
+        return all_reduce_mean(total / n).item()
+
+    def generate_sample(self) -> str | None:
+        t = self.cfg.training
+        if not t.sample_prompt or t.sample_tokens <= 0:
+            return None
+        tok = self.data.tokenizer
+        model = self.engine.module
+        was_training = model.training
+        model.eval()
+        ids = sample(model, tok.encode(t.sample_prompt), t.sample_tokens, self.cfg.data.seq_length,
+                     t.sample_temperature, t.sample_top_k, t.seed, self.device)
+        model.train(was_training)
+        return t.sample_prompt + tok.decode(ids)
+
+    def _eval_and_sample(self) -> tuple[float, str | None]:
+        val = self.evaluate()
+        text = self.generate_sample()
+        record = {"step": self.state.step, "val_loss": val,
+                  "val_ppl": math.exp(min(val, 50.0)), "consumed_samples": self.state.consumed_samples}
+        self.logger.log(record)
+        self.log(f"eval step {self.state.step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}")
+        if text is not None:
+            self.logger.text("sample", text, self.state.step)
+            self.log(f"sample at step {self.state.step}:\n{text}\n" + "-" * 40)
+        return val, text
+
+    # ---- training ----
+    def train(self) -> RunResult:
+        cfg, engine, st = self.cfg, self.engine, self.state
+        t = cfg.training
+        batches = self._batches(self.data.train, st.consumed_samples, None,
+                                workers=self.data.num_workers > 0)
+        result = RunResult(st.step, None, None)
+        loss_sum = torch.zeros((), device=self.device)
+        interval_steps, interval_start = 0, time.perf_counter()
+        engine.train()
+        while st.step < self.total_iters:
+            lr = engine.optimizer.param_groups[0]["lr"]
+            for micro in range(self.grad_accum):
+                batch = next(batches).to(self.device, non_blocking=True)
+                loss = engine(batch[:, :-1], batch[:, 1:])
+                engine.backward(loss)
+                if self.own_clipping and micro == self.grad_accum - 1:
+                    self.grad_norm = torch.nn.utils.clip_grad_norm_(
+                        engine.module.parameters(), cfg.optimizer.grad_clip or math.inf)
+                engine.step()
+                loss_sum += loss.detach().float()
+            st.step += 1
+            st.consumed_samples += self.global_batch
+            interval_steps += 1
+            last = st.step == self.total_iters
+            if st.step % t.log_interval == 0 or last:
+                record = self._train_record(loss_sum / (interval_steps * self.grad_accum), lr,
+                                            interval_steps, time.perf_counter() - interval_start)
+                result.history.append(record)
+                self.logger.log(record)
+                self.log(console_line(record, self.total_iters))
+                loss_sum.zero_()
+                interval_steps = 0
+            if (t.eval_interval and st.step % t.eval_interval == 0) or last:
+                result.final_val_loss, result.sample_text = self._eval_and_sample()
+            ck = cfg.checkpoint
+            if ck.dir and ((ck.save_interval and st.step % ck.save_interval == 0) or last):
+                self.save()
+            if st.step % t.log_interval == 0 or last:
+                interval_start = time.perf_counter()  # evaluation and saving are not step time
+        result.steps = st.step
+        return result
+
+    def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
+        loss = all_reduce_mean(mean_loss).item()
+        gnorm = self.grad_norm if self.own_clipping else self.engine.get_global_grad_norm()
+        tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
+        per_device = tokens_per_sec / self.dims.world_size
+        tflops = per_device * self.flops_per_token / 1e12
+        return {
+            "step": self.state.step, "loss": loss, "lr": lr,
+            "grad_norm": float(gnorm) if gnorm is not None else None,
+            "step_time_ms": 1000.0 * seconds / steps, "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "memory_gib": devmod.memory_gib(self.acc),
+            "consumed_samples": self.state.consumed_samples,
+            "consumed_tokens": self.state.consumed_samples * self.cfg.data.seq_length,
+        }

@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_lite",
+    version="0.1.0",
+    description="Config-driven, Megatron-style LLM pretraining on DeepSpeed (CUDA, HPU, CPU)",
+    packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned: GPU/HPU systems bring their own build (the Makefile pins the CPU one).
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "omegaconf>=2.3",
+        "transformers>=4.45",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+        "wandb>=0.17",
+        "tensorboard>=2.15",
+    ],
+    extras_require={"test": ["pytest>=8", "ruff>=0.6"]},
+)

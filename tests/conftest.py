@@ -1,0 +1,63 @@
+"""Shared test helpers: paths, the tinyshakespeare char dataset, pretrain.py as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+TINY_SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+WORKS_JSONL = SHARED_DATA / "shakespeare_works.jsonl"
+
+
+def require_shared() -> None:
+    if not TINY_SHAKESPEARE.is_file():
+        pytest.fail(f"test corpus {TINY_SHAKESPEARE} is missing (tests read ../shared/data)")
+
+
+def cpu_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_SILENT="true",
+               PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def char_overrides(tmp: Path) -> list[str]:
+    """Overrides that point shakespeare-char at a private copy of its built data and run dir."""
+    require_shared()
+    return [f"data.prefix={tmp}/data/tiny_text_document", f"data.build_from={TINY_SHAKESPEARE}",
+            f"data.tokenizer.model={tmp}/data/chars.json", f"logging.dir={tmp}/run"]
+
+
+def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "pretrain.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc

@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+
+from megatron_lite.config import ConfigError, load_config, to_yaml
+from tests.conftest import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert to_yaml(cfg)
+
+
+def test_misspelled_key_names_key_and_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "recipes/shakespeare-char.yaml", ["model.n_layer=2"])
+    assert "model.n_layer" in str(e.value) and "'model.n_layers'" in str(e.value)
+
+
+def test_key_in_wrong_section_suggests_right_section():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "recipes/shakespeare-char.yaml", ["training.lr=0.1"])
+    assert "did you mean 'optimizer.lr'" in str(e.value)
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "recipes/shakespeare-char.yaml", [
+            "model.d_modle=3", "model.n_heads=abc", "model.norm=batchnorm",
+            "optimizer.min_lr=1.0", "training.global_batch_size=13"])
+    problems = e.value.problems
+    assert len(problems) == 5, problems
+    text = str(e.value)
+    assert "'model.d_model'" in text
+    assert "'model.n_heads' = 'abc'" in text
+    assert "'layernorm'" in text and "'rmsnorm'" in text  # allowed values named
+    assert "optimizer.min_lr" in text and "global_batch_size" in text
+
+
+def test_base_recipe_and_cli_override_precedence(tmp_path: Path):
+    (tmp_path / "parent.yaml").write_text(
+        "model: {n_layers: 3, d_model: 64, n_heads: 4}\ntraining: {iters: 7}\n"
+        "data: {prefix: p, tokenizer: {model: t}}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nmodel: {n_layers: 5}\n")
+    cfg = load_config(tmp_path / "child.yaml", ["training.iters=9"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.training.iters) == (5, 64, 9)
+
+
+def test_base_loop_is_reported(tmp_path: Path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_resolved_config_is_frozen():
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml")
+    with pytest.raises(Exception, match="cannot assign"):
+        cfg.model.n_layers = 1  # type: ignore[misc]
+
+
+def test_deepspeed_passthrough_and_section_errors():
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml",
+                      ["deepspeed.zero_optimization.reduce_bucket_size=1000"])
+    assert cfg.deepspeed == {"zero_optimization": {"reduce_bucket_size": 1000}}
+    with pytest.raises(ConfigError, match="is a section"):
+        load_config(REPO / "recipes/shakespeare-char.yaml", ["model=3"])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(REPO / "recipes/shakespeare-char.yaml", ["training.iters"])

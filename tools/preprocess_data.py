@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Tokenize jsonl / plain-text files into Megatron-LM indexed datasets (.bin/.idx).
+
+Example:
+    python tools/preprocess_data.py --input data/works.jsonl --output-prefix data/works \
+        --json-keys text --tokenizer-type sentencepiece --tokenizer-model data/sp.model \
+        --append-eod --workers 2
+writes data/works_text_document.bin/.idx (Megatron's naming).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.data.preprocess import preprocess  # noqa: E402
+
+TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
+         # Megatron-LM's names for the same tokenizers.
+         "SentencePieceTokenizer": "sentencepiece", "HuggingFaceTokenizer": "huggingface"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True,
+                   help="input files or globs: .jsonl (one JSON document per line) or plain text "
+                        "(one document per file)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract")
+    p.add_argument("--tokenizer-type", required=True, choices=sorted(TYPES))
+    p.add_argument("--tokenizer-model", required=True,
+                   help="sentencepiece .model, Hugging Face directory, or char vocabulary JSON")
+    p.add_argument("--append-eod", action="store_true",
+                   help="end every document with the end-of-document token (added only where the "
+                        "tokenizer did not already add it)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    args = p.parse_args(argv)
+    try:
+        preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
+                   args.tokenizer_model, append_eod=args.append_eod, workers=args.workers)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
