@@ -84,9 +84,6 @@ def validate(cfg: Config) -> list[str]:
          f"'optimizer.min_lr' = {o.min_lr} must be between 0 and 'optimizer.lr' = {o.lr}")
     need(o.grad_clip >= 0, f"'optimizer.grad_clip' = {o.grad_clip} must be 0 (off) or positive")
     need(s.warmup_iters >= 0, f"'schedule.warmup_iters' = {s.warmup_iters} must be 0 or more")
-    if t.iters is not None:
-        need(s.warmup_iters <= t.iters,
-             f"'schedule.warmup_iters' = {s.warmup_iters} exceeds 'training.iters' = {t.iters}")
     if s.decay_iters is not None:
         need(s.decay_iters >= s.warmup_iters,
              f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "

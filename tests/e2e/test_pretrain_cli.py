@@ -1,0 +1,92 @@
+"""pretrain.py as a user runs it: a subprocess from the repository root."""
+
+import pytest
+
+from tests.conftest import WORKS_JSONL, char_overrides, check, read_metrics, run_pretrain
+
+RECIPE = "recipes/shakespeare-char.yaml"
+
+
+def test_help():
+    proc = check(run_pretrain(["--help"]))
+    assert "--print-config" in proc.stdout and "--dry-run" in proc.stdout
+
+
+def test_print_config_applies_overrides():
+    proc = check(run_pretrain([RECIPE, "--print-config", "model.n_layers=7"]))
+    assert "n_layers: 7" in proc.stdout
+
+
+def test_dry_run_prints_parameters_and_flops():
+    proc = check(run_pretrain(["recipes/llama2-7b.yaml", "--dry-run"]))
+    assert "parameters: 6,738,415,616" in proc.stdout and "flops_per_token" in proc.stdout
+
+
+def test_misspelled_key_fails_before_anything_is_built(tmp_path):
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "training.itres=5"])
+    assert proc.returncode == 2
+    assert "training.itres" in proc.stderr and "did you mean 'training.iters'" in proc.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_missing_dataset_is_a_one_line_error(tmp_path):
+    proc = run_pretrain([RECIPE, f"data.prefix={tmp_path}/none_text_document", "data.build_from=null",
+                         f"logging.dir={tmp_path}/run"])
+    assert proc.returncode == 1
+    assert "preprocess_data.py" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_shakespeare_char_learns(tmp_path):
+    """200 steps of the nanoGPT CPU configuration: a broken model stays above ~3.3 nats."""
+    proc = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=200",
+                               "training.log_interval=20", "training.eval_interval=0"]))
+    run = tmp_path / "run"
+    records = read_metrics(run)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(20, 201, 20))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "consumed_samples"):
+        assert all(r[key] is not None for r in train), key
+    assert train[-1]["consumed_samples"] == 200 * 12
+    assert len(evals) == 1 and evals[0]["val_loss"] <= 2.65, evals
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert (run / "config.yaml").is_file() and list(run.glob("events.out.tfevents.*"))
+    assert "final validation loss" in proc.stdout and "sample at step 200" in proc.stdout
+    # The dataset was built once and is reused.
+    again = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=2",
+                                f"logging.dir={tmp_path}/run2", "training.sample_tokens=0"]))
+    assert "building dataset" in proc.stdout and "building dataset" not in again.stdout
+
+
+@pytest.fixture(scope="module")
+def sp_data(tmp_path_factory):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cpu_env
+
+    d = tmp_path_factory.mktemp("spdata")
+    for cmd in (
+        ["tools/train_tokenizer.py", "--input", str(WORKS_JSONL), "--vocab-size", "1024",
+         "--output", f"{d}/sp"],
+        ["tools/preprocess_data.py", "--input", str(WORKS_JSONL), "--output-prefix", f"{d}/works",
+         "--tokenizer-type", "sentencepiece", "--tokenizer-model", f"{d}/sp.model", "--append-eod"],
+    ):
+        subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True)
+    return d
+
+
+def test_llama_quickstart_recipe_with_wandb_offline_and_resume(tmp_path, sp_data):
+    common = ["recipes/quickstart.yaml", f"data.prefix={sp_data}/works_text_document",
+              f"data.tokenizer.model={sp_data}/sp.model", "model.n_layers=2", "data.seq_length=64",
+              "training.micro_batch_size=4", "training.global_batch_size=8", "training.log_interval=1",
+              "training.eval_iters=2", "training.sample_tokens=8", f"checkpoint.dir={tmp_path}/ckpt",
+              "checkpoint.save_interval=2", "logging.wandb_mode=offline"]
+    first = check(run_pretrain([*common, "training.iters=4", f"logging.dir={tmp_path}/a"]))
+    assert "saved checkpoint" in first.stdout
+    assert list((tmp_path / "a" / "wandb").glob("offline-run-*"))
+    second = check(run_pretrain([*common, "training.iters=6", f"logging.dir={tmp_path}/b"]))
+    assert "resumed from" in second.stdout
+    steps = [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r]
+    assert steps == [5, 6]
+    assert read_metrics(tmp_path / "b")[-1]["consumed_samples"] == 6 * 8

@@ -1,0 +1,99 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megatron_lite.config import load_config
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
+from megatron_lite.model.transformer import ffn_hidden_size
+from tests.conftest import REPO
+
+
+def _recipe_model(name: str, tokenizer_vocab: int | None = None, multiple: int | None = None) -> ModelConfig:
+    cfg = load_config(REPO / "recipes" / name)
+    model = cfg.model if multiple is None else dataclasses.replace(cfg.model, vocab_multiple=multiple)
+    return resolve_model(model, tokenizer_vocab, cfg.data.seq_length)
+
+
+def test_gpt2_small_parameter_count():
+    # The published count is for the unpadded GPT-2 vocabulary (50257) and 1024 positions.
+    cfg = _recipe_model("gpt2-124m.yaml", tokenizer_vocab=50257, multiple=1)
+    assert cfg.max_seq_len == 1024
+    assert count_parameters(build_model(cfg, "meta")) == 124_439_808
+
+
+def test_llama2_7b_parameter_count():
+    cfg = _recipe_model("llama2-7b.yaml")
+    assert count_parameters(build_model(cfg, "meta")) == 6_738_415_616
+
+
+def test_llama3_8b_parameter_count():
+    cfg = _recipe_model("llama3-8b.yaml")
+    assert count_parameters(build_model(cfg, "meta")) == 8_030_261_248
+
+
+def test_flops_per_token_by_hand():
+    # Llama-style, no biases: per layer qkv d·(H+2Hkv)·hd + proj d·d + SwiGLU 3·d·F + 2 norms d.
+    d, L, V, T, F, H, Hkv = 64, 3, 100, 32, 96, 8, 2
+    cfg = ModelConfig(vocab_size=V, n_layers=L, n_heads=H, n_kv_heads=Hkv, d_model=d, ffn_hidden=F,
+                      max_seq_len=T)
+    hd = d // H
+    per_layer = d * (H + 2 * Hkv) * hd + d * d + 3 * d * F + 2 * d
+    n = L * per_layer + d + V * d  # + final norm + output layer; input embedding excluded
+    expected = 6 * n + 12 * L * d * T
+    assert flops_per_token(cfg, T) == expected
+    # ... and N is all parameters but the input embedding (untied model).
+    assert n == count_parameters(build_model(cfg, "meta")) - V * d
+
+
+def test_swiglu_hidden_matches_llama_rounding():
+    assert ffn_hidden_size(ModelConfig(d_model=4096, ffn_multiple=256)) == 11008
+
+
+def test_gqa_and_forward_shapes():
+    cfg = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, n_kv_heads=1, d_model=32, max_seq_len=16)
+    model = build_model(cfg)
+    assert model.blocks[0].attn.qkv.weight.shape == (32 + 2 * 8, 32)
+    tokens = torch.randint(0, 50, (3, 16))
+    assert model(tokens).shape == (3, 16, 50)
+    assert model(tokens, tokens).dim() == 0
+
+
+def test_causality():
+    cfg = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, d_model=32, max_seq_len=16)
+    model = build_model(cfg).eval()
+    a = torch.randint(0, 50, (1, 16))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 50
+    torch.testing.assert_close(model(a)[0, :10], model(b)[0, :10])
+
+
+def test_scaled_init():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, n_layers=8, n_heads=4, d_model=256, max_seq_len=16)
+    model = build_model(cfg)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].mlp.down.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_activation_checkpointing_gives_same_gradients(position):
+    base = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, d_model=32, max_seq_len=16,
+                       position=position, dropout=0.0)
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = build_model(dataclasses.replace(base, activation_checkpointing=ckpt))
+        tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(tokens, tokens).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_tied_embeddings_share_storage():
+    cfg = ModelConfig(vocab_size=50, n_layers=1, n_heads=2, d_model=16, max_seq_len=8, tie_embeddings=True)
+    model = build_model(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight

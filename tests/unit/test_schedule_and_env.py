@@ -1,0 +1,48 @@
+import pytest
+
+from megatron_lite.config.schema import OptimizerConfig, ScheduleConfig
+from megatron_lite.distributed.launcher_env import detect
+from megatron_lite.training.schedule import lr_at
+
+OPT = OptimizerConfig(lr=1.0, min_lr=0.1)
+
+
+def test_warmup_then_cosine_to_min():
+    s = ScheduleConfig(warmup_iters=10, decay_style="cosine")
+    assert lr_at(0, OPT, s, 110) == pytest.approx(1 / 11)
+    assert lr_at(9, OPT, s, 110) == pytest.approx(10 / 11)
+    assert lr_at(10, OPT, s, 110) == pytest.approx(1.0)
+    assert lr_at(60, OPT, s, 110) == pytest.approx(0.55)  # half-way: mean of lr and min_lr
+    assert lr_at(110, OPT, s, 110) == pytest.approx(0.1)
+    assert lr_at(500, OPT, s, 110) == pytest.approx(0.1)
+
+
+def test_linear_and_constant():
+    assert lr_at(5, OPT, ScheduleConfig(decay_style="linear"), 10) == pytest.approx(0.55)
+    assert lr_at(7, OPT, ScheduleConfig(decay_style="constant"), 10) == 1.0
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"},
+     (3, 1, 8, "h0", 1234, "torchrun")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+     (5, 2, 6, "127.0.0.1", 29500, "openmpi")),
+    ({"PMI_RANK": "7", "PMI_SIZE": "8", "PALS_LOCAL_RANKID": "3", "MASTER_ADDR": "x3001"},
+     (7, 3, 8, "x3001", 29500, "mpich")),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"},
+     (1, 1, 2, "127.0.0.1", 29500, "slurm")),
+])
+def test_launcher_environments(env, expected):
+    e = detect(env)
+    assert (e.rank, e.local_rank, e.world_size, e.master_addr, e.master_port, e.launcher) == expected
+
+
+def test_master_address_from_pbs_nodefile(tmp_path):
+    (tmp_path / "nodes").write_text("x3001c0s1b0n0\nx3001c0s1b0n0\nx3002c0s1b0n0\n")
+    e = detect({"PMI_RANK": "0", "PMI_SIZE": "8", "PBS_NODEFILE": str(tmp_path / "nodes")})
+    assert e.master_addr == "x3001c0s1b0n0"
+
+
+def test_single_process_defaults():
+    e = detect({})
+    assert (e.rank, e.world_size, e.launcher) == (0, 1, "none") and e.master_port > 0

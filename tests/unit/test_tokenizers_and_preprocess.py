@@ -1,0 +1,116 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.tokenizers import CharTokenizer, load_tokenizer
+from tests.conftest import REPO, WORKS_JSONL, cpu_env
+
+TEXTS = ["To be, or not to be, that is the question.", "Whether 'tis nobler in the mind to suffer",
+         "The slings and arrows of outrageous fortune,", "Or to take arms against a sea of troubles"]
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp") / "sp"
+    subprocess.run([sys.executable, str(REPO / "tools/train_tokenizer.py"), "--input", str(WORKS_JSONL),
+                    "--vocab-size", "512", "--output", str(out)], check=True, env=cpu_env(),
+                   capture_output=True)
+    return f"{out}.model"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.decoder = decoders.ByteLevel()
+    path = tmp_path_factory.mktemp("hf")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+def test_char_round_trip(tmp_path):
+    tok = CharTokenizer.build("hello world", tmp_path / "c.json")
+    assert tok.vocab_size == len(set("hello world"))
+    assert tok.decode(tok.encode("world hello")) == "world hello"
+    with pytest.raises(ValueError, match="not in the char vocabulary"):
+        tok.encode("xyz")
+
+
+def test_sentencepiece_round_trip(sp_model):
+    tok = load_tokenizer("sentencepiece", sp_model)
+    assert tok.eod_id == 2 and tok.vocab_size == 512
+    for text in TEXTS + ["  two spaces\nand a newline ~é"]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_huggingface_local_directory(hf_dir):
+    tok = load_tokenizer("huggingface", hf_dir)
+    assert tok.eod_id == 1
+    assert tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
+    assert tok.encode_batch(TEXTS[:2]) == [tok.encode(t) for t in TEXTS[:2]]
+
+
+def _jsonl(path, docs, extra_lines=()):
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+
+
+def test_preprocess_same_bytes_for_any_worker_count_and_eod_once(tmp_path, sp_model):
+    docs = TEXTS * 200
+    _jsonl(tmp_path / "in.jsonl", docs)
+    outs = []
+    for workers in (1, 2):
+        prefix = tmp_path / f"w{workers}"
+        preprocess([str(tmp_path / "in.jsonl")], str(prefix), ["text"], "sentencepiece", sp_model,
+                   append_eod=True, workers=workers, log=lambda *a: None)
+        outs.append(((tmp_path / f"w{workers}_text_document.bin").read_bytes(),
+                     (tmp_path / f"w{workers}_text_document.idx").read_bytes()))
+    assert outs[0] == outs[1]
+    ds = IndexedDataset(tmp_path / "w1_text_document")
+    tok = load_tokenizer("sentencepiece", sp_model)
+    assert len(ds) == len(docs)
+    for i in (0, 1, 799):
+        ids = ds[i].tolist()
+        assert ids[-1] == tok.eod_id and ids[-2] != tok.eod_id  # exactly one separator
+        assert tok.decode(ids[:-1]) == docs[i]
+
+
+def test_preprocess_skips_and_counts_bad_lines(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(sorted(set("".join(TEXTS)))))
+    _jsonl(tmp_path / "in.jsonl", TEXTS, extra_lines=["{not json", json.dumps({"other": "x"})])
+    result = preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "o"), ["text"], "char",
+                        str(tmp_path / "c.json"), log=lambda *a: None)
+    summary = result["text"]
+    assert summary.documents == len(TEXTS)
+    assert sum(summary.skipped.values()) == 2
+    assert any(":5" in p for p in summary.first_problems) and any(":6" in p for p in summary.first_problems)
+
+
+def test_preprocess_cli_uses_megatron_naming(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(sorted(set("".join(TEXTS)))))
+    (tmp_path / "a.txt").write_text(TEXTS[0])
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(tmp_path / "a.txt"),
+         "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "char",
+         "--tokenizer-model", str(tmp_path / "c.json")], env=cpu_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert IndexedDataset(tmp_path / "out_text_document")[0].size == len(TEXTS[0])
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(tmp_path / "a.txt"),
+         "--output-prefix", str(tmp_path / "o2"), "--tokenizer-type", "char", "--append-eod",
+         "--tokenizer-model", str(tmp_path / "c.json")], env=cpu_env(), capture_output=True, text=True)
+    assert bad.returncode != 0 and "end-of-document" in bad.stderr
