@@ -18,6 +18,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    # The DeepSpeed launcher appends --local_rank=N; the same value is in LOCAL_RANK.
+    argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     flags = {a for a in argv if a.startswith("--")}
     args = [a for a in argv if not a.startswith("--")]
     unknown = flags - {"--help", "-h", "--print-config", "--dry-run"}

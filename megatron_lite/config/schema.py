@@ -105,7 +105,7 @@ class OptimizerConfig:
     min_lr: float = 3e-5
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
-    """AdamW weight decay (never applied to norms, biases or embeddings of positions)."""
+    """AdamW weight decay on weight matrices and embeddings (never on norms or biases)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95

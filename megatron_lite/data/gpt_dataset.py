@@ -6,9 +6,10 @@ The stream's head is for training and its tail for validation (``data.valid_frac
 token split, so even a single-document corpus (tinyshakespeare) splits.
 
 Sample ``g`` (a global index that only grows: consumed samples) is found without state:
-epoch ``e = g // n``, a per-epoch permutation of the ``n`` windows, and a per-epoch offset of
-the window grid (so each epoch cuts the text at new places). Resuming at any consumed-sample
-count therefore reproduces the same batches.
+epoch ``e = g // n``, then the ``g % n``-th of the epoch's ``n`` windows, which are the cells of
+a ``seq_length`` grid in a per-epoch random order, each started at a random point of its cell
+(so each epoch cuts the text at new places). Resuming at any consumed-sample count therefore
+reproduces the same batches.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class StreamSplit:
 
     @property
     def windows_per_epoch(self) -> int:
-        # One window fewer than fits, so any grid offset in [0, seq_length) still fits n windows.
+        # One window fewer than fits, so a start anywhere in the last cell still fits.
         return max((self.end - self.start - self.seq_length) // self.seq_length, 0)
 
 
@@ -45,7 +46,7 @@ class StreamDataset(torch.utils.data.Dataset):
     def __init__(self, split: StreamSplit):
         self.split = split
         self._data: IndexedDataset | None = None  # opened lazily: workers open their own map
-        self._epoch_cache: tuple[int, np.ndarray, int] | None = None
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
         if split.windows_per_epoch == 0:
             raise ValueError(
                 f"'{split.prefix}' has {split.end - split.start} tokens in this split, fewer than "
@@ -55,23 +56,23 @@ class StreamDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.split.windows_per_epoch
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, int]:
-        """Window order and grid offset of an epoch (the last one is kept: epochs run in order)."""
+    def _epoch(self, epoch: int) -> np.ndarray:
+        """Window start offsets of an epoch, in visiting order (the last epoch's are kept:
+        epochs are consumed in order)."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             n, s = self.split.windows_per_epoch, self.split
-            if not s.shuffle:
-                order, offset = np.arange(n), 0
-            else:
+            cells = np.arange(n, dtype=np.int64) * s.seq_length
+            if s.shuffle:
                 rng = np.random.default_rng([s.seed, epoch])
-                offset = int(rng.integers(0, s.seq_length)) if epoch > 0 else 0
-                order = rng.permutation(n)
-            self._epoch_cache = (epoch, order, offset)
-        return self._epoch_cache[1], self._epoch_cache[2]
+                # Each window starts at a random point of its own grid cell: no two overlap by
+                # more than a cell, yet text is seen at ever-new positions in the context.
+                cells = rng.permutation(cells) + rng.integers(0, s.seq_length, n)
+            self._epoch_cache = (epoch, cells)
+        return self._epoch_cache[1]
 
     def start_of(self, index: int) -> int:
         n = self.split.windows_per_epoch
-        order, offset = self._epoch(index // n)
-        return self.split.start + offset + int(order[index % n]) * self.split.seq_length
+        return self.split.start + int(self._epoch(index // n)[index % n])
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if self._data is None:

@@ -23,8 +23,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     bias = int(cfg.bias)
     qkv_out = (cfg.n_heads + 2 * kv_heads) * head_dim
     attn = d * qkv_out + bias * qkv_out + cfg.n_heads * head_dim * d + bias * d
-    up_out = 2 * ffn if cfg.activation == "swiglu" else ffn
-    mlp = d * up_out + bias * up_out + ffn * d + bias * d
+    n_in = 2 if cfg.activation == "swiglu" else 1  # gate and up, or up alone
+    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     per_layer = attn + mlp + 2 * norm
     assert cfg.vocab_size is not None

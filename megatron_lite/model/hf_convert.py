@@ -1,9 +1,9 @@
 """Hugging Face transformers <-> megatron_lite weight and config conversion (both directions).
 
 Supported: ``LlamaForCausalLM`` (incl. grouped-query attention) and ``GPT2LMHeadModel``.
-Our attention and MLP fuse their input projections ([q|k|v] and [gate|up]); HF keeps them apart
-(Llama) or fuses them as ``Conv1D`` with transposed weights (GPT-2). RoPE uses the same
-half-split layout as HF's ``rotate_half``, so Llama q/k weights copy without permutation.
+Llama's layout matches ours name for name; GPT-2 fuses q/k/v into one ``Conv1D`` whose weights
+are stored transposed. RoPE uses the same half-split layout as HF's ``rotate_half``, so Llama
+q/k weights copy without permutation.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def llama_config_from_hf(hf: Any) -> ModelConfig:
+    if bool(getattr(hf, "attention_bias", False)) != bool(getattr(hf, "mlp_bias", False)):
+        raise ValueError("Llama configs with biases in attention but not the MLP (or the reverse) "
+                         "are not supported: model.bias covers both")
     return ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size,
@@ -49,57 +52,43 @@ def gpt2_config_from_hf(hf: Any) -> ModelConfig:
     )
 
 
-def llama_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
-    """HF ``LlamaForCausalLM`` state dict -> ours."""
-    out: StateDict = {"tok_emb.weight": sd["model.embed_tokens.weight"],
-                      "norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+# Llama: our names mirror HF's, under shorter prefixes.
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+    "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
+}
+
+
+def _llama_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our parameter name -> HF's, for every parameter of a Llama-style model."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
     for i in range(cfg.n_layers):
-        h, o = f"model.layers.{i}.", f"blocks.{i}."
-        out[o + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
-        out[o + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        for kind in ("weight", "bias") if cfg.bias else ("weight",):
-            out[o + f"attn.qkv.{kind}"] = torch.cat(
-                [sd[h + f"self_attn.{p}_proj.{kind}"] for p in "qkv"], dim=0)
-        out[o + "attn.proj.weight"] = sd[h + "self_attn.o_proj.weight"]
-        if cfg.bias:
-            out[o + "attn.proj.bias"] = sd[h + "self_attn.o_proj.bias"]
-        out[o + "mlp.up.weight"] = torch.cat(
-            [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0)
-        out[o + "mlp.down.weight"] = sd[h + "mlp.down_proj.weight"]
-    return out
+        for ours, theirs in _LLAMA_LAYER.items():
+            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+            if cfg.bias and not ours.endswith("_norm"):
+                names[f"blocks.{i}.{ours}.bias"] = f"model.layers.{i}.{theirs}.bias"
+    return names
+
+
+def llama_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """HF ``LlamaForCausalLM`` state dict -> ours (a tied model may omit ``lm_head.weight``)."""
+    sd = dict(sd)
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    return {ours: sd[theirs] for ours, theirs in _llama_names(cfg).items()}
 
 
 def llama_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     """Our state dict -> HF ``LlamaForCausalLM``."""
-    head_dim = cfg.d_model // cfg.n_heads
-    q_size, kv_size = cfg.n_heads * head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim
-    ffn = ffn_hidden_size(cfg)
-    out: StateDict = {"model.embed_tokens.weight": sd["tok_emb.weight"],
-                      "model.norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(cfg.n_layers):
-        h, o = f"model.layers.{i}.", f"blocks.{i}."
-        out[h + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
-        for kind in ("weight", "bias") if cfg.bias else ("weight",):
-            q, k, v = sd[o + f"attn.qkv.{kind}"].split([q_size, kv_size, kv_size], dim=0)
-            out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
-                        h + f"self_attn.v_proj.{kind}": v})
-        out[h + "self_attn.o_proj.weight"] = sd[o + "attn.proj.weight"]
-        if cfg.bias:
-            out[h + "self_attn.o_proj.bias"] = sd[o + "attn.proj.bias"]
-        gate, up = sd[o + "mlp.up.weight"].split([ffn, ffn], dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = sd[o + "mlp.down.weight"]
-    return out
+    return {theirs: sd[ours] for ours, theirs in _llama_names(cfg).items()}
 
 
-# GPT-2 names (ours <- HF); Conv1D weights are stored (in, out) and are transposed.
-_GPT2_LAYER = {
-    "attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
-    "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj",
-}
-_GPT2_CONV1D = {"attn.qkv", "attn.proj", "mlp.up", "mlp.down"}
+# GPT-2 names (ours <- HF); HF fuses q/k/v into one Conv1D (weights stored (in, out)).
+_GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.o_proj": "attn.c_proj",
+               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+_GPT2_CONV1D = {"attn.o_proj", "mlp.up_proj", "mlp.down_proj"}
 
 
 def gpt2_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
@@ -109,10 +98,16 @@ def gpt2_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
                       "norm.weight": sd["ln_f.weight"], "norm.bias": sd["ln_f.bias"]}
     out["lm_head.weight"] = out["tok_emb.weight"]
     for i in range(cfg.n_layers):
+        o = f"blocks.{i}."
         for ours, theirs in _GPT2_LAYER.items():
             w = sd[f"h.{i}.{theirs}.weight"]
-            out[f"blocks.{i}.{ours}.weight"] = w.t().contiguous() if ours in _GPT2_CONV1D else w
-            out[f"blocks.{i}.{ours}.bias"] = sd[f"h.{i}.{theirs}.bias"]
+            out[o + f"{ours}.weight"] = w.t().contiguous() if ours in _GPT2_CONV1D else w
+            out[o + f"{ours}.bias"] = sd[f"h.{i}.{theirs}.bias"]
+        q, k, v = sd[f"h.{i}.attn.c_attn.weight"].t().chunk(3, dim=0)
+        qb, kb, vb = sd[f"h.{i}.attn.c_attn.bias"].chunk(3)
+        for name, w, b in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
+            out[o + f"attn.{name}_proj.weight"] = w.contiguous()
+            out[o + f"attn.{name}_proj.bias"] = b
     return out
 
 
@@ -123,10 +118,14 @@ def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
                       "transformer.ln_f.weight": sd["norm.weight"],
                       "transformer.ln_f.bias": sd["norm.bias"], "lm_head.weight": sd["tok_emb.weight"]}
     for i in range(cfg.n_layers):
+        o, h = f"blocks.{i}.", f"transformer.h.{i}."
         for ours, theirs in _GPT2_LAYER.items():
-            w = sd[f"blocks.{i}.{ours}.weight"]
-            out[f"transformer.h.{i}.{theirs}.weight"] = w.t().contiguous() if ours in _GPT2_CONV1D else w
-            out[f"transformer.h.{i}.{theirs}.bias"] = sd[f"blocks.{i}.{ours}.bias"]
+            w = sd[o + f"{ours}.weight"]
+            out[h + f"{theirs}.weight"] = w.t().contiguous() if ours in _GPT2_CONV1D else w
+            out[h + f"{theirs}.bias"] = sd[o + f"{ours}.bias"]
+        out[h + "attn.c_attn.weight"] = torch.cat(
+            [sd[o + f"attn.{n}_proj.weight"] for n in "qkv"], dim=0).t().contiguous()
+        out[h + "attn.c_attn.bias"] = torch.cat([sd[o + f"attn.{n}_proj.bias"] for n in "qkv"])
     return out
 
 
@@ -156,7 +155,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn_hidden_size(cfg),
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
         tie_word_embeddings=cfg.tie_embeddings,
     )
     return hf_cfg, llama_to_hf(sd, cfg)

@@ -36,10 +36,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as Llama does: bf16 sums of squares lose too much.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalise in fp32 (bf16 sums of squares lose too much), scale in the input dtype: Llama's
+        # numerics, in torch's fused kernel.
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -69,20 +68,19 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        # One fused projection, laid out [q (all heads) | k (kv heads) | v (kv heads)]: one matmul
-        # instead of three; the tensor-parallel step slices each part by heads.
-        qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias)
-        self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        # Separate projections: on CPU a fused [q|k|v] matmul saves less than the backward's
+        # concatenation of its gradients costs, and the tensor-parallel step shards each alike.
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -90,27 +88,24 @@ class Attention(nn.Module):
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, H·hd)
-        return self.proj(y)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = ffn_hidden_size(cfg)
-        self.gated = cfg.activation == "swiglu"
-        # SwiGLU's gate and up projections are fused the same way as qkv: [gate | up].
-        self.up = nn.Linear(cfg.d_model, 2 * hidden if self.gated else hidden, bias=cfg.bias)
-        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)  # (B, T, F) or (B, T, 2F)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+        if self.gate_proj is not None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
         else:
-            h = F.gelu(h, approximate="tanh")
-        return self.down(h)  # (B, T, D)
+            h = F.gelu(self.up_proj(x), approximate="tanh")  # (B, T, F)
+        return self.down_proj(h)  # (B, T, D)
 
 
 class Block(nn.Module):
@@ -168,8 +163,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         scaled = std / math.sqrt(2 * self.cfg.n_layers)
         for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=scaled)
-            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=scaled)
+            nn.init.normal_(block.attn.o_proj.weight, mean=0.0, std=scaled)
+            nn.init.normal_(block.mlp.down_proj.weight, mean=0.0, std=scaled)
         if self.rope_cos is not None and self.rope_cos.device.type != "meta":
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
                                    self.cfg.rope_theta)

@@ -126,15 +126,7 @@ class Trainer:
         engine.train()
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
-            for micro in range(self.grad_accum):
-                batch = next(batches).to(self.device, non_blocking=True)
-                loss = engine(batch[:, :-1], batch[:, 1:])
-                engine.backward(loss)
-                if self.own_clipping and micro == self.grad_accum - 1:
-                    self.grad_norm = torch.nn.utils.clip_grad_norm_(
-                        engine.module.parameters(), cfg.optimizer.grad_clip or math.inf)
-                engine.step()
-                loss_sum += loss.detach().float()
+            loss_sum += self.train_step(batches)
             st.step += 1
             st.consumed_samples += self.global_batch
             interval_steps += 1
@@ -156,6 +148,22 @@ class Trainer:
                 interval_start = time.perf_counter()  # evaluation and saving are not step time
         result.steps = st.step
         return result
+
+    def train_step(self, batches) -> torch.Tensor:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the summed micro-batch
+        losses as a device tensor (no host sync)."""
+        engine = self.engine
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            batch = next(batches).to(self.device, non_blocking=True)
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            if self.own_clipping and micro == self.grad_accum - 1:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(
+                    engine.module.parameters(), self.cfg.optimizer.grad_clip or math.inf)
+            engine.step()
+            loss_sum += loss.detach().float()
+        return loss_sum
 
     def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
         loss = all_reduce_mean(mean_loss).item()

@@ -73,3 +73,17 @@ def test_deepspeed_passthrough_and_section_errors():
 def test_malformed_override():
     with pytest.raises(ConfigError, match="dotted.key=value"):
         load_config(REPO / "recipes/shakespeare-char.yaml", ["training.iters"])
+
+
+def test_every_field_has_a_docstring_and_docs_are_current():
+    import dataclasses
+
+    from megatron_lite.config import schema
+    from megatron_lite.config.docs import field_docs, markdown
+
+    for name, cls in vars(schema).items():
+        if dataclasses.is_dataclass(cls) and name.endswith("Config"):
+            missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+            assert not missing, f"{name}: fields without a docstring: {missing}"
+    assert (REPO / "docs/config.md").read_text() == markdown(), \
+        "docs/config.md is stale: python -m megatron_lite.config.docs > docs/config.md"
