@@ -37,7 +37,12 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
     if cfg.model.vocab_size is None:
         tok = cfg.data.tokenizer
         assert tok.model is not None
-        vocab = load_tokenizer(tok.type, tok.model).vocab_size
+        try:
+            vocab = load_tokenizer(tok.type, tok.model).vocab_size
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"the vocabulary size comes from the tokenizer '{tok.model}', which does not exist "
+                "yet: build it, or set model.vocab_size=N") from None
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length)
     params = count_parameters(build_model(model_cfg, "meta"))
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)

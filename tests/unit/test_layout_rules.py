@@ -8,7 +8,8 @@ DEVICE_MODULE = REPO / "megatron_lite/distributed/device.py"
 
 
 def _sources():
-    for path in [*(REPO / "megatron_lite").rglob("*.py"), REPO / "pretrain.py", *(REPO / "tools").glob("*.py")]:
+    paths = [*(REPO / "megatron_lite").rglob("*.py"), REPO / "pretrain.py", *(REPO / "tools").glob("*.py")]
+    for path in paths:
         yield path, path.read_text()
 
 
