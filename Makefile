@@ -18,13 +18,21 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
-quickstart: install
-	$(PY) tools/fetch_sample_corpus.py --output data/quickstart/shakespeare_works.jsonl
-	$(PY) tools/train_tokenizer.py --input data/quickstart/shakespeare_works.jsonl \
-		--type sentencepiece --vocab-size 2048 --output data/quickstart/tokenizer
-	$(PY) tools/preprocess_data.py --input data/quickstart/shakespeare_works.jsonl \
-		--output-prefix data/quickstart/works --json-keys text --tokenizer-type sentencepiece \
-		--tokenizer-model data/quickstart/tokenizer.model --append-eod --workers 2
+QS := data/quickstart
+# Each step is a file target: a second `make quickstart` reuses the corpus, tokenizer and dataset.
+$(QS)/shakespeare_works.jsonl: | install
+	$(PY) tools/fetch_sample_corpus.py --output $@
+
+$(QS)/tokenizer.model: $(QS)/shakespeare_works.jsonl
+	$(PY) tools/train_tokenizer.py --input $< --type sentencepiece --vocab-size 2048 \
+		--output $(QS)/tokenizer
+
+$(QS)/works_text_document.idx: $(QS)/tokenizer.model
+	$(PY) tools/preprocess_data.py --input $(QS)/shakespeare_works.jsonl \
+		--output-prefix $(QS)/works --json-keys text --tokenizer-type sentencepiece \
+		--tokenizer-model $< --append-eod --workers 2
+
+quickstart: install $(QS)/works_text_document.idx
 	$(PY) pretrain.py recipes/quickstart.yaml
 
 test: install

@@ -1,0 +1,57 @@
+import dataclasses
+
+from megatron_lite.config import load_config
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.distributed import ParallelDims
+from megatron_lite.model import build_model
+from megatron_lite.training.engine import deepspeed_config
+from megatron_lite.training.optimizer import param_groups
+from megatron_lite.training.run import total_iters
+from tests.conftest import REPO
+
+RECIPE = REPO / "recipes/shakespeare-char.yaml"
+
+
+def test_generated_deepspeed_config_and_passthrough():
+    cfg = load_config(RECIPE, ["training.micro_batch_size=2", "training.global_batch_size=16",
+                               "parallel.zero_stage=2", "training.precision=bf16",
+                               "deepspeed.zero_optimization.overlap_comm=true",
+                               "deepspeed.gradient_clipping=0.5"])
+    dims = ParallelDims.plan(cfg, world_size=4)
+    ds = deepspeed_config(cfg, dims)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"]) == (16, 2, 2)
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}  # merged, not replaced
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["gradient_clipping"] == 0.5  # the recipe's deepspeed block wins
+
+
+def test_layout_problems_are_reported_together():
+    cfg = load_config(RECIPE, ["training.global_batch_size=12", "parallel.tensor=3"])
+    try:
+        ParallelDims.plan(cfg, world_size=4)
+    except ValueError as e:
+        text = str(e)
+    else:
+        raise AssertionError("expected a layout error")
+    assert "not divisible by parallel.tensor" in text and "n_heads=4" in text
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = build_model(ModelConfig(vocab_size=20, n_layers=1, n_heads=2, d_model=8, max_seq_len=4,
+                                    bias=True, norm="layernorm", position="learned"))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} >= {"norm.weight", "norm.bias",
+                                                         "blocks.0.attn.q_proj.bias"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_token_budget_becomes_steps():
+    cfg = load_config(RECIPE, ["training.iters=null", "training.train_tokens=10000"])
+    # 12 samples × 64 tokens = 768 tokens per step -> ceil(10000 / 768) = 14 steps
+    assert total_iters(cfg, 12) == 14
+    assert total_iters(dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, iters=5, train_tokens=None)), 12) == 5
