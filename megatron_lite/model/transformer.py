@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.loss import linear_cross_entropy
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -183,7 +184,8 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        x = self.norm(x)  # (B, T, D)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+            return self.lm_head(x)  # (B, T, V)
+        # Output layer and loss fused, chunk by chunk: never the full (B·T, V) logits.
+        return linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
