@@ -114,6 +114,8 @@ def build_config(raw: DictConfig) -> Config:
                     break
             continue
         if _dataclass_type(known[path]) is not None:
+            if value == {}:  # an empty section changes nothing
+                continue
             problems.append(f"'{path}' is a section, not a value (got {value!r})")
             continue
         try:

@@ -6,9 +6,9 @@ so CPU, CUDA and HPU share one code path.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
-import sys
 
 import torch
 
@@ -27,8 +27,8 @@ def select_accelerator(device: str):
     """DeepSpeed's accelerator for ``device`` ('auto' lets DeepSpeed detect it)."""
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
-    elif not torch.cuda.is_available() and "habana_frameworks" not in sys.modules:
-        # DeepSpeed would probe for Intel extensions and warn; say what we know.
+    elif not torch.cuda.is_available() and importlib.util.find_spec("habana_frameworks") is None:
+        # No GPU and no Gaudi software: spare DeepSpeed's probing (and its warning).
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator
 

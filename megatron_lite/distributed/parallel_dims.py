@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,24 @@ def init_distributed(cfg: Config, env: LaunchEnv):
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
                                    auto_mpi_discovery=False, verbose=False)
     return dims, acc
+
+
+def on_rank0_then_all(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on rank 0 while the others wait; if it fails, every rank raises (rather than
+    the others waiting at a barrier for a rank that has died)."""
+    error: BaseException | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([int(error is not None)])
+        dist.broadcast(failed, src=0)
+        if failed.item() and error is None:
+            raise RuntimeError("rank 0 failed (its error is printed above)")
+    if error is not None:
+        raise error
 
 
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,13 @@ import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data import build_data, load_tokenizer
 from megatron_lite.data.build import ensure_dataset
 from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.distributed.parallel_dims import on_rank0_then_all
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.training.engine import build_engine, deepspeed_config
@@ -56,9 +56,7 @@ def run(cfg: Config) -> RunResult:
         if dims.is_main:
             print(msg, flush=True)
 
-    if dims.is_main:
-        ensure_dataset(cfg.data, log=log)
-    dist.barrier()
+    on_rank0_then_all(lambda: ensure_dataset(cfg.data, log=log))
     data = build_data(cfg.data, pin_memory=acc.device_name() == "cuda")
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:

@@ -13,12 +13,21 @@ def test_two_process_data_parallel_matches_single_process(tmp_path):
     common = ["recipes/shakespeare-char.yaml", *char_overrides(tmp_path)[:3], "training.iters=5",
               "training.log_interval=1", "training.eval_interval=0", "training.eval_iters=2",
               "training.global_batch_size=8", "training.micro_batch_size=4", "training.sample_tokens=0"]
-    # One process accumulates 2 micro-batches; two processes take one each.
+    # One process accumulates 2 micro-batches; two processes take one each, read by a
+    # data-loader worker process (which must not change the batches either).
     check(run_pretrain([*common, f"logging.dir={tmp_path}/one"]))
-    proc = check(run_pretrain([*common, f"logging.dir={tmp_path}/two"], nproc=2))
+    proc = check(run_pretrain([*common, f"logging.dir={tmp_path}/two", "data.num_workers=1"], nproc=2))
     assert "world 2 (dp 2)" in proc.stdout
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=0, atol=1e-5)
     val = [[r["val_loss"] for r in read_metrics(tmp_path / d) if "val_loss" in r] for d in ("one", "two")]
     torch.testing.assert_close(torch.tensor(val[1]), torch.tensor(val[0]), rtol=0, atol=1e-5)
+
+
+def test_missing_dataset_fails_every_rank_quickly(tmp_path):
+    proc = run_pretrain(["recipes/shakespeare-char.yaml", f"data.prefix={tmp_path}/none_text_document",
+                         "data.build_from=null", "training.micro_batch_size=6",
+                         f"logging.dir={tmp_path}/run"], nproc=2, timeout=180)
+    assert proc.returncode != 0
+    assert "preprocess_data.py" in proc.stderr
