@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite.data.preprocess import preprocess  # noqa: E402
+from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
          # Megatron-LM's names for the same tokenizers.
@@ -26,8 +26,8 @@ TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggi
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
-                   help="input files or globs: .jsonl (one JSON document per line) or plain text "
-                        "(one document per file)")
+                   help="input files or globs: .jsonl/.jsonl.gz (one JSON document per line), "
+                        ".parquet (with pyarrow), or plain text (see --text-split)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract")
     p.add_argument("--tokenizer-type", required=True, choices=sorted(TYPES))
@@ -37,10 +37,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="end every document with the end-of-document token (added only where the "
                         "tokenizer did not already add it)")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--text-split", choices=TEXT_SPLITS, default="file",
+                   help="plain-text inputs: one document per file, or per blank-line-separated block")
+    p.add_argument("--strict", action="store_true",
+                   help="any bad input (see docs/data.md) is an error naming the file and line; "
+                        "no output is written")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
         preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
-                   args.tokenizer_model, append_eod=args.append_eod, workers=args.workers)
+                   args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,
+                   text_split=args.text_split, strict=args.strict,
+                   show_progress=False if args.no_progress else None)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,4 +39,4 @@ def ensure_dataset(cfg: DataConfig, log=print) -> None:
         log(f"built char vocabulary {tok.model}")
     log(f"building dataset {cfg.prefix} from {source}")
     preprocess([str(source)], cfg.prefix[: -len(SUFFIX)], ["text"], tok.type, tok.model,
-               append_eod=tok.type != "char", log=log)
+               append_eod=tok.type != "char", log=log, show_progress=False)

@@ -57,6 +57,14 @@ class IndexedDatasetWriter:
         self._lengths.append(lengths)
         self.n_tokens += int(lengths.sum())
 
+    def add_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents given as one flat token array and their lengths (no copies)."""
+        if lengths.size == 0:
+            return
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self.n_tokens += int(tokens.size)
+
     def finalize(self) -> None:
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
@@ -122,3 +130,30 @@ class IndexedDataset:
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.size)
+
+
+def merge(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 << 24) -> tuple[int, int]:
+    """Concatenate datasets into ``output_prefix`` (streamed in chunks; same token dtype required).
+    Returns (documents, tokens)."""
+    datasets = [IndexedDataset(p) for p in prefixes]
+    dtypes = {str(d.dtype) for d in datasets}
+    if len(dtypes) != 1:
+        raise ValueError(f"datasets have different token dtypes {sorted(dtypes)}: they come from "
+                         "different tokenizers and cannot be merged")
+    writer = IndexedDatasetWriter(output_prefix, datasets[0].dtype)
+    try:
+        for d in datasets:
+            lengths = d.lengths.astype(np.int64)
+            # Whole documents per chunk, so each write carries its own lengths.
+            ends = np.cumsum(lengths)
+            first = 0
+            while first < lengths.size:
+                start_tok = int(ends[first - 1]) if first else 0
+                last = max(int(np.searchsorted(ends, start_tok + chunk_tokens, side="right")), first + 1)
+                writer.add_flat(np.asarray(d.tokens[start_tok:int(ends[last - 1])]), lengths[first:last])
+                first = last
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    return sum(len(d) for d in datasets), writer.n_tokens

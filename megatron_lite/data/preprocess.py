@@ -1,38 +1,82 @@
-"""Raw text (jsonl or plain text) -> tokenized Megatron indexed datasets.
+"""Raw text -> tokenized Megatron indexed datasets, streaming, parallel and robust.
 
-Documents are read in order, tokenized in batches (in worker processes when ``workers > 1``;
-``imap`` keeps the output order, so the bytes do not depend on the worker count), and streamed
-to one ``PREFIX_{key}_document`` dataset per JSON key.
+Pipeline: the main process reads raw records (jsonl lines, text blocks or files, parquet rows)
+in batches of about ``BATCH_BYTES``; workers decode, validate and tokenize a whole batch and
+return flat numpy arrays (cheap to pickle); ``imap`` keeps the input order, so the output bytes
+do not depend on the worker count; one writer per JSON key streams to ``.tmp`` files that are
+renamed into place only when everything succeeded.
+
+Bad input never crashes a run and is never dropped silently. Policies (``POLICIES``):
+skipped and counted — malformed JSON, a missing key, a non-string value, an empty or
+whitespace-only document; repaired and counted — invalid UTF-8 (replaced by U+FFFD), a
+byte-order mark (removed), CRLF line endings (to LF; in jsonl they only end the line); kept and
+counted — documents over ``LONG_DOC_BYTES``. ``strict=True`` turns any of them into an error
+naming the file and line, and no output is written.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import multiprocessing as mp
+import os
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
 
-BATCH_DOCS = 256
+BATCH_BYTES = 1 << 20
+LONG_DOC_BYTES = 10 << 20
+POLICIES = {
+    "malformed JSON": "skipped",
+    "missing key": "skipped",
+    "non-string value": "skipped",
+    "empty or whitespace-only document": "skipped",
+    "invalid UTF-8": "repaired (invalid bytes replaced by U+FFFD)",
+    "byte-order mark": "repaired (removed)",
+    "CRLF line endings": "repaired (converted to LF)",
+    "long document": f"kept whole (over {LONG_DOC_BYTES >> 20} MB)",
+}
+TEXT_SPLITS = ("file", "blank-line")
+
+
+class PreprocessError(ValueError):
+    """Bad input under ``strict``, or unusable arguments."""
 
 
 @dataclass
 class Summary:
     documents: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    first_problems: list[str] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    input_bytes: int = 0
+    seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+    first_locations: dict[str, list[str]] = field(default_factory=dict)
+    separator_policy: str = ""
 
-    def skip(self, reason: str, where: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.first_problems) < 5:
-            self.first_problems.append(f"{where}: {reason}")
+    def add(self, problem: str, where: str) -> None:
+        self.counts[problem] = self.counts.get(problem, 0) + 1
+        locs = self.first_locations.setdefault(problem, [])
+        if len(locs) < 3:
+            locs.append(where)
+
+
+# ---------------------------------------------------------------- reading (main process)
+
+@dataclass
+class Record:
+    """One raw input record: bytes of a jsonl line / text block / file, or parquet values."""
+
+    where: str
+    kind: str  # "json", "text" or "values"
+    raw: bytes | dict | None
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[Path]:
@@ -46,96 +90,275 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     return paths
 
 
-def iter_documents(paths: Sequence[Path], keys: Sequence[str], summary: Summary
-                   ) -> Iterator[dict[str, str]]:
-    """Documents as {key: text}: one per jsonl line, or one per plain-text file."""
+def _is_jsonl(path: Path) -> bool:
+    return path.name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz"))
+
+
+def _open_binary(path: Path):
+    """(line-iterable binary file, raw file) — progress is read from the raw file's position."""
+    raw = open(path, "rb")
+    return (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw), raw
+
+
+def read_records(paths: Sequence[Path], keys: Sequence[str], text_split: str,
+                 progress: Callable[[int], None]) -> Iterator[Record]:
     for path in paths:
-        if path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8", errors="replace") as f:
+        if path.suffix == ".parquet":
+            yield from _parquet_records(path, keys, progress)
+            continue
+        f, raw = _open_binary(path)
+        with f, raw:
+            last = 0
+            if _is_jsonl(path):
                 for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError:
-                        summary.skip("malformed JSON", f"{path}:{lineno}")
-                        continue
-                    if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in keys):
-                        summary.skip(f"missing or non-string key(s) {list(keys)}", f"{path}:{lineno}")
-                        continue
-                    yield {k: obj[k] for k in keys}
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            yield {k: text for k in keys}
+                    if line.strip():
+                        yield Record(f"{path}:{lineno}", "json", line)
+                    if lineno % 256 == 0:
+                        progress(raw.tell() - last)
+                        last = raw.tell()
+            elif text_split == "file":
+                yield Record(f"{path}:1", "text", f.read())
+            else:
+                block: list[bytes] = []
+                start = 1
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        if not block:
+                            start = lineno
+                        block.append(line)
+                    elif block:
+                        yield Record(f"{path}:{start}", "text", b"".join(block))
+                        block = []
+                if block:
+                    yield Record(f"{path}:{start}", "text", b"".join(block))
+            progress(raw.tell() - last)
 
 
-_worker_tokenizer: Tokenizer | None = None
+def _parquet_records(path: Path, keys: Sequence[str], progress) -> Iterator[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PreprocessError(f"'{path}' is parquet: install pyarrow to read it") from None
+    pf = pq.ParquetFile(path)
+    present = [k for k in keys if k in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(columns=present, batch_size=1024):
+        columns = batch.to_pydict()
+        for i in range(batch.num_rows):
+            row += 1
+            yield Record(f"{path}:row {row}", "values", {k: columns[k][i] for k in present})
+    progress(path.stat().st_size)
 
 
-def _init_worker(kind: str, model: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(kind, model)
-
-
-def _encode(batch: list[str]) -> list[list[int]]:
-    assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_batch(batch)
-
-
-def _batches(docs: Iterator[dict[str, str]], key: str, size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc[key])
-        if len(batch) == size:
+def batch_records(records: Iterator[Record]) -> Iterator[list[Record]]:
+    batch: list[Record] = []
+    size = 0
+    for rec in records:
+        batch.append(rec)
+        size += len(rec.raw) if isinstance(rec.raw, bytes) else 256
+        if size >= BATCH_BYTES:
             yield batch
-            batch = []
+            batch, size = [], 0
     if batch:
         yield batch
 
 
+# ---------------------------------------------------------------- encoding (workers)
+
+def _decode(raw: bytes, where: str, problems: list[tuple[str, str]]) -> str:
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+        problems.append(("byte-order mark", where))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        problems.append(("invalid UTF-8", where))
+    return text
+
+
+def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str]]
+                 ) -> dict[str, str] | None:
+    """The record's texts by key, or None (with the reason in ``problems``) when it is skipped."""
+    if rec.kind == "values":
+        obj = rec.raw
+    elif rec.kind == "json":
+        assert isinstance(rec.raw, bytes)
+        line = _decode(rec.raw, rec.where, problems)
+        if line.endswith("\r\n"):
+            problems.append(("CRLF line endings", rec.where))
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            problems.append(("malformed JSON", rec.where))
+            return None
+        if not isinstance(obj, dict):
+            problems.append(("malformed JSON", rec.where))
+            return None
+    else:
+        assert isinstance(rec.raw, bytes)
+        text = _decode(rec.raw, rec.where, problems)
+        if "\r\n" in text:
+            text = text.replace("\r\n", "\n")
+            problems.append(("CRLF line endings", rec.where))
+        obj = {k: text for k in keys}
+    assert isinstance(obj, dict)
+    missing = [k for k in keys if k not in obj or obj[k] is None]
+    if missing:
+        problems.append(("missing key", rec.where))
+        return None
+    if not all(isinstance(obj[k], str) for k in keys):
+        problems.append(("non-string value", rec.where))
+        return None
+    if any(not obj[k].strip() for k in keys):
+        problems.append(("empty or whitespace-only document", rec.where))
+        return None
+    if any(len(obj[k]) > LONG_DOC_BYTES for k in keys):
+        problems.append(("long document", rec.where))
+    return {k: obj[k] for k in keys}
+
+
+@dataclass
+class SeparatorPolicy:
+    """What goes between documents, decided once from what the tokenizer adds by itself."""
+
+    append_eod: bool
+    eod_id: int | None
+    description: str
+
+
+def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
+    """Detect BOS/EOS the tokenizer adds (encoding an empty and a short string) and append the
+    end-of-document token only where nothing marks the boundary already."""
+    bos, eos = tokenizer.bos_id, tokenizer.eod_id
+    short = tokenizer.encode("a")
+    adds_bos = bos is not None and len(short) > 0 and short[0] == bos
+    adds_eos = eos is not None and len(short) > 0 and short[-1] == eos
+    if adds_eos:
+        return SeparatorPolicy(False, eos, "the tokenizer appends EOS to every document: nothing added")
+    if adds_bos:
+        return SeparatorPolicy(False, eos, "the tokenizer starts every document with BOS, which "
+                                           "separates documents: nothing added")
+    if not append_eod:
+        return SeparatorPolicy(False, eos, "no separator (--append-eod not given)")
+    if eos is None:
+        raise PreprocessError("--append-eod: the tokenizer has no end-of-document token")
+    return SeparatorPolicy(True, eos, f"end-of-document token {eos} appended once per document "
+                                      "(never after one already there)")
+
+
+_worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype] | None = None
+
+
+def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str) -> None:
+    global _worker
+    tok = load_tokenizer(kind, model)
+    _worker = (tok, separator_policy(tok, append_eod), keys, np.dtype(dtype))
+
+
+def encode_batch(batch: list[Record]):
+    """Worker task: records -> ({key: (flat tokens, lengths)}, documents, problems)."""
+    assert _worker is not None
+    tok, policy, keys, dtype = _worker
+    problems: list[tuple[str, str]] = []
+    docs = [d for d in (parse_record(r, keys, problems) for r in batch) if d is not None]
+    out = {}
+    for key in keys:
+        ids = tok.encode_batch([d[key] for d in docs])
+        if policy.append_eod:
+            eod = policy.eod_id
+            ids = [x if len(x) and x[-1] == eod else [*x, eod] for x in ids]
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.concatenate([np.asarray(x, dtype=dtype) for x in ids]) if ids else np.zeros(0, dtype)
+        out[key] = (flat, lengths)
+    return out, len(docs), problems
+
+
+# ---------------------------------------------------------------- driver
+
 def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[str],
                tokenizer_type: str, tokenizer_model: str, append_eod: bool = False,
-               workers: int = 1, log=print) -> dict[str, Summary]:
+               workers: int = 1, text_split: str = "file", strict: bool = False,
+               log: Callable[[str], None] = print, show_progress: bool | None = None) -> Summary:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key."""
+    if text_split not in TEXT_SPLITS:
+        raise PreprocessError(f"text split '{text_split}' is not one of {TEXT_SPLITS}")
     paths = expand_inputs(inputs)
+    keys = tuple(json_keys)
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
-    eod = tokenizer.eod_id
-    if append_eod and eod is None:
-        raise ValueError(f"--append-eod: the {tokenizer_type} tokenizer '{tokenizer_model}' has no "
-                         "end-of-document token")
-    results: dict[str, Summary] = {}
-    for key in json_keys:
-        summary = Summary()
-        prefix = f"{output_prefix}_{key}_document"
-        writer = IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size))
-        start = time.time()
-        pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_type, tokenizer_model)) \
-            if workers > 1 else None
-        try:
-            texts = _batches(iter_documents(paths, [key], summary), key, BATCH_DOCS)
-            encoded = pool.imap(_encode, texts) if pool else map(tokenizer.encode_batch, texts)
-            for batch in encoded:
-                if append_eod:
-                    # Only where the tokenizer did not already end the document with it.
-                    batch = [ids if ids and ids[-1] == eod else [*ids, eod] for ids in batch]
-                writer.add_documents(batch)
-                summary.documents += len(batch)
-            writer.finalize()
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            if pool:
-                pool.close()
-                pool.join()
-        summary.tokens = writer.n_tokens
-        secs = max(time.time() - start, 1e-9)
-        log(f"{prefix}: {summary.documents} documents, {summary.tokens} tokens "
-            f"({summary.tokens / secs:,.0f} tokens/s, {workers} worker(s)); "
-            f"end-of-document token {'appended once per document' if append_eod else 'not added'}")
-        for reason, count in summary.skipped.items():
-            log(f"  skipped {count} line(s): {reason}")
-        for where in summary.first_problems:
-            log(f"  first problems: {where}")
-        results[key] = summary
-    return results
+    policy = separator_policy(tokenizer, append_eod)
+    dtype = token_dtype(tokenizer.vocab_size)
+    summary = Summary(separator_policy=policy.description, tokens={k: 0 for k in keys})
+    total_bytes = sum(p.stat().st_size for p in paths)
+    bar = _progress_bar(total_bytes, show_progress)
+    writers = {k: IndexedDatasetWriter(f"{output_prefix}_{k}_document", dtype) for k in keys}
+    init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str)
+    pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args) if workers > 1 else None
+    start = time.time()
+
+    def advance(nbytes: int) -> None:
+        summary.input_bytes += nbytes
+        if bar is not None:
+            bar.update(nbytes)
+
+    try:
+        batches = batch_records(read_records(paths, keys, text_split, advance))
+        if pool is None:
+            _init_worker(*init_args)
+            results = map(encode_batch, batches)
+        else:
+            results = pool.imap(encode_batch, batches)
+        for out, n_docs, problems in results:
+            for problem, where in problems:
+                summary.add(problem, where)
+                if strict:
+                    raise PreprocessError(f"{where}: {problem} (--strict)")
+            for key, (flat, lengths) in out.items():
+                writers[key].add_flat(flat, lengths)
+                summary.tokens[key] += int(flat.size)
+            summary.documents += n_docs
+            if bar is not None:
+                secs = max(time.time() - start, 1e-9)
+                bar.set_postfix_str(f"{summary.documents / secs:,.0f} docs/s, "
+                                    f"{sum(summary.tokens.values()) / secs:,.0f} tok/s", refresh=False)
+        for w in writers.values():
+            w.finalize()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    summary.seconds = time.time() - start
+    for line in format_summary(summary, output_prefix):
+        log(line)
+    return summary
+
+
+def _progress_bar(total: int, show: bool | None):
+    if show is False:
+        return None
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    if show is None and not tty and not os.environ.get("MEGATRON_LITE_PROGRESS"):
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, mininterval=0.5 if tty else 30,
+                desc="preprocess", file=sys.stderr)
+
+
+def format_summary(s: Summary, prefix: str) -> list[str]:
+    secs = max(s.seconds, 1e-9)
+    total = sum(s.tokens.values())
+    lines = [f"{s.documents:,} documents, {total:,} tokens from {s.input_bytes / 2**20:,.1f} MiB in "
+             f"{secs:.1f} s ({total / secs:,.0f} tokens/s, {s.input_bytes / 2**20 / secs:,.1f} MiB/s)",
+             f"separators: {s.separator_policy}"]
+    lines += [f"wrote {prefix}_{k}_document.bin/.idx ({n:,} tokens)" for k, n in s.tokens.items()]
+    for problem, count in s.counts.items():
+        locs = ", ".join(s.first_locations[problem])
+        lines.append(f"{problem}: {count:,} — {POLICIES[problem]}; first at {locs}")
+    return lines

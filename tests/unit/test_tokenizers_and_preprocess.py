@@ -89,17 +89,6 @@ def test_preprocess_same_bytes_for_any_worker_count_and_eod_once(tmp_path, sp_mo
         assert tok.decode(ids[:-1]) == docs[i]
 
 
-def test_preprocess_skips_and_counts_bad_lines(tmp_path):
-    (tmp_path / "c.json").write_text(json.dumps(sorted(set("".join(TEXTS)))))
-    _jsonl(tmp_path / "in.jsonl", TEXTS, extra_lines=["{not json", json.dumps({"other": "x"})])
-    result = preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "o"), ["text"], "char",
-                        str(tmp_path / "c.json"), log=lambda *a: None)
-    summary = result["text"]
-    assert summary.documents == len(TEXTS)
-    assert sum(summary.skipped.values()) == 2
-    assert any(":5" in p for p in summary.first_problems) and any(":6" in p for p in summary.first_problems)
-
-
 def test_preprocess_cli_uses_megatron_naming(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(sorted(set("".join(TEXTS)))))
     (tmp_path / "a.txt").write_text(TEXTS[0])
