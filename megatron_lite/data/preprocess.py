@@ -43,6 +43,7 @@ POLICIES = {
     "byte-order mark": "repaired (removed)",
     "CRLF line endings": "repaired (converted to LF)",
     "long document": f"kept whole (over {LONG_DOC_BYTES >> 20} MB)",
+    "doubled separator": "repaired (separator tokens in the text next to the added one dropped)",
 }
 TEXT_SPLITS = ("file", "blank-line")
 
@@ -225,6 +226,10 @@ class SeparatorPolicy:
     append_eod: bool
     eod_id: int | None
     description: str
+    separators: tuple[int, ...] = ()
+    """Ids that mark a document boundary (BOS, EOS/EOD)."""
+    leads: bool = False
+    """True when the separator starts each document (BOS), False when it ends it."""
 
 
 def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
@@ -234,17 +239,45 @@ def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
     short = tokenizer.encode("a")
     adds_bos = bos is not None and len(short) > 0 and short[0] == bos
     adds_eos = eos is not None and len(short) > 0 and short[-1] == eos
+    seps = tuple(t for t in (bos, eos) if t is not None)
     if adds_eos:
-        return SeparatorPolicy(False, eos, "the tokenizer appends EOS to every document: nothing added")
+        return SeparatorPolicy(False, eos, "the tokenizer appends EOS to every document: nothing "
+                                           "added", seps)
     if adds_bos:
         return SeparatorPolicy(False, eos, "the tokenizer starts every document with BOS, which "
-                                           "separates documents: nothing added")
+                                           "separates documents: nothing added", seps, leads=True)
     if not append_eod:
-        return SeparatorPolicy(False, eos, "no separator (--append-eod not given)")
+        return SeparatorPolicy(False, eos, "no separator (--append-eod not given)", seps)
     if eos is None:
         raise PreprocessError("--append-eod: the tokenizer has no end-of-document token")
     return SeparatorPolicy(True, eos, f"end-of-document token {eos} appended once per document "
-                                      "(never after one already there)")
+                                      "(never after one already there)", seps)
+
+
+def one_separator(flat: np.ndarray, lengths: np.ndarray, policy: SeparatorPolicy
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drop separator tokens that would stand next to another one in the output stream
+    (a document whose text already holds the separator, next to the one the tokenizer or
+    ``--append-eod`` adds). Returns (tokens, lengths, per-document count of dropped tokens)."""
+    if not policy.separators or flat.size == 0:
+        return flat, lengths, np.zeros(lengths.size, np.int64)
+    is_sep = np.isin(flat, policy.separators)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    doc_of = np.repeat(np.arange(lengths.size), lengths)
+    drop = np.zeros(flat.size, dtype=bool)
+    drop[1:] = is_sep[1:] & is_sep[:-1]
+    drop[starts] = False  # the first token of a document is judged below
+    nonempty = lengths > 0
+    if policy.leads:
+        # BOS starts each document: a document may not end with separators (the next BOS follows).
+        last_real = np.full(lengths.size, -1)
+        np.maximum.at(last_real, doc_of[~is_sep], np.flatnonzero(~is_sep))
+        drop |= np.arange(flat.size) > np.repeat(np.maximum(last_real, starts), lengths)
+    else:
+        # The separator ends each document: a document may not start with one.
+        drop[starts[nonempty]] = is_sep[starts[nonempty]]
+    dropped = np.bincount(doc_of[drop], minlength=lengths.size).astype(np.int64)
+    return flat[~drop], lengths - dropped, dropped
 
 
 _worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype] | None = None
@@ -261,7 +294,12 @@ def encode_batch(batch: list[Record]):
     assert _worker is not None
     tok, policy, keys, dtype = _worker
     problems: list[tuple[str, str]] = []
-    docs = [d for d in (parse_record(r, keys, problems) for r in batch) if d is not None]
+    docs, wheres = [], []
+    for rec in batch:
+        doc = parse_record(rec, keys, problems)
+        if doc is not None:
+            docs.append(doc)
+            wheres.append(rec.where)
     out = {}
     for key in keys:
         ids = tok.encode_batch([d[key] for d in docs])
@@ -270,6 +308,9 @@ def encode_batch(batch: list[Record]):
             ids = [x if len(x) and x[-1] == eod else [*x, eod] for x in ids]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         flat = np.concatenate([np.asarray(x, dtype=dtype) for x in ids]) if ids else np.zeros(0, dtype)
+        flat, lengths, dropped = one_separator(flat, lengths, policy)
+        for i in np.flatnonzero(dropped):
+            problems.append(("doubled separator", wheres[i]))
         out[key] = (flat, lengths)
     return out, len(docs), problems
 
