@@ -73,11 +73,13 @@ class Summary:
 
 @dataclass
 class Record:
-    """One raw input record: bytes of a jsonl line / text block / file, or parquet values."""
+    """Raw input: a block of whole jsonl lines (split into records by the worker), a jsonl line,
+    a text block or file, or parquet values."""
 
     where: str
-    kind: str  # "json", "text" or "values"
+    kind: str  # "jsonl-block", "json", "text" or "values"
     raw: bytes | dict | None
+    line: int = 0  # first line number of a jsonl block
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[Path]:
@@ -111,12 +113,16 @@ def read_records(paths: Sequence[Path], keys: Sequence[str], text_split: str,
         with f, raw:
             last = 0
             if _is_jsonl(path):
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        yield Record(f"{path}:{lineno}", "json", line)
-                    if lineno % 256 == 0:
-                        progress(raw.tell() - last)
-                        last = raw.tell()
+                # Whole-line blocks of about BATCH_BYTES: the reading process does no per-line
+                # work, the workers split, parse and tokenize.
+                lineno = 1
+                while block := f.read(BATCH_BYTES):
+                    if not block.endswith(b"\n"):
+                        block += f.readline()
+                    yield Record(str(path), "jsonl-block", block, line=lineno)
+                    lineno += block.count(b"\n")
+                    progress(raw.tell() - last)
+                    last = raw.tell()
             elif text_split == "file":
                 yield Record(f"{path}:1", "text", f.read())
             else:
@@ -186,7 +192,7 @@ def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str
     elif rec.kind == "json":
         assert isinstance(rec.raw, bytes)
         line = _decode(rec.raw, rec.where, problems)
-        if line.endswith("\r\n"):
+        if line.endswith("\r"):
             problems.append(("CRLF line endings", rec.where))
         try:
             obj = json.loads(line)
@@ -283,10 +289,26 @@ def one_separator(flat: np.ndarray, lengths: np.ndarray, policy: SeparatorPolicy
 _worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype] | None = None
 
 
-def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str) -> None:
+def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str,
+                 single_threaded: bool) -> None:
     global _worker
+    if single_threaded:  # one tokenizer thread per worker process: no oversubscription
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(kind, model)
+    if single_threaded and hasattr(tok, "num_threads"):
+        tok.num_threads = 1
     _worker = (tok, separator_policy(tok, append_eod), keys, np.dtype(dtype))
+
+
+def _expand(batch: list[Record]) -> Iterator[Record]:
+    for rec in batch:
+        if rec.kind == "jsonl-block":
+            assert isinstance(rec.raw, bytes)
+            for i, line in enumerate(rec.raw.split(b"\n")):
+                if line.strip():
+                    yield Record(f"{rec.where}:{rec.line + i}", "json", line)
+        else:
+            yield rec
 
 
 def encode_batch(batch: list[Record]):
@@ -295,7 +317,7 @@ def encode_batch(batch: list[Record]):
     tok, policy, keys, dtype = _worker
     problems: list[tuple[str, str]] = []
     docs, wheres = [], []
-    for rec in batch:
+    for rec in _expand(batch):
         doc = parse_record(rec, keys, problems)
         if doc is not None:
             docs.append(doc)
@@ -333,7 +355,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     total_bytes = sum(p.stat().st_size for p in paths)
     bar = _progress_bar(total_bytes, show_progress)
     writers = {k: IndexedDatasetWriter(f"{output_prefix}_{k}_document", dtype) for k in keys}
-    init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str)
+    init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str, workers > 1)
     pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args) if workers > 1 else None
     start = time.time()
 

@@ -76,13 +76,14 @@ class SentencePieceTokenizer:
         self.vocab_size = self.sp.get_piece_size()
         self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.num_threads = -1  # preprocessing workers set 1: the processes are the parallelism
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # sentencepiece encodes a list in its own C++ threads.
-        return self.sp.encode(list(texts))
+        # sentencepiece encodes a list in its own C++ threads (all cores unless limited).
+        return self.sp.encode(list(texts), num_threads=self.num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))

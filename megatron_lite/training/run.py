@@ -10,8 +10,9 @@ import torch
 
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.data import build_data, load_tokenizer
 from megatron_lite.data.build import ensure_dataset
+from megatron_lite.data.source import build_data
+from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.parallel_dims import on_rank0_then_all
 from megatron_lite.logging import MetricsLogger

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from megatron_lite.config.schema import Config
-from megatron_lite.data import DataSource, GlobalBatchSampler
+from megatron_lite.data.gpt_dataset import GlobalBatchSampler
+from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean
 from megatron_lite.logging import MetricsLogger, console_line
