@@ -1,0 +1,155 @@
+"""Megatron-style sample indices, built vectorised and cached on disk.
+
+For a split (a range of documents) and a number of samples, three arrays say where every
+sample comes from, with Megatron-LM's GPTDataset semantics:
+
+- document index: the split's document ids, shuffled anew each epoch, epochs concatenated
+  (enough epochs to cover the samples; every document is seen once per epoch);
+- sample index ``(num_samples + 1, 2)``: for sample ``i``, the position in the document index and
+  the token offset where it starts; a sample reads ``seq_length + 1`` tokens up to the next
+  sample's start (+1), across document boundaries;
+- shuffle index: the order in which samples are served.
+
+Built with numpy in one pass (cumulative sums and a binary search instead of Megatron's
+per-document loop), so 10M documents take seconds. The cache entry is keyed by a hash of
+everything that determines the arrays; its manifest (written last, atomically) records each
+file's size and SHA-256, so a stale, truncated or tampered entry is rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """Everything that determines a sample index."""
+
+    prefix: str
+    doc_begin: int
+    doc_end: int
+    seq_length: int
+    num_samples: int
+    seed: int
+
+    def key(self, lengths_fingerprint: str) -> str:
+        blob = json.dumps({"v": CACHE_VERSION, **asdict(self), "data": lengths_fingerprint}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def data_fingerprint(prefix: str) -> str:
+    """Identity of a dataset's files: path, sizes and modification times of .bin and .idx."""
+    parts = []
+    for suffix in (".bin", ".idx"):
+        st = os.stat(prefix + suffix)
+        parts.append(f"{os.path.abspath(prefix + suffix)}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
+def epochs_needed(split_tokens: int, seq_length: int, num_samples: int) -> int:
+    """Epochs whose tokens cover ``num_samples`` samples (each needs one token beyond its end)."""
+    if split_tokens <= 0:
+        raise ValueError("the split has no tokens")
+    return max(1, -(-(num_samples * seq_length + 1) // split_tokens))
+
+
+def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]:
+    """Document, sample and shuffle indices for ``spec`` from per-document token ``lengths``."""
+    docs = np.arange(spec.doc_begin, spec.doc_end, dtype=np.int32)
+    split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
+    epochs = epochs_needed(split_tokens, spec.seq_length, spec.num_samples)
+    rng = np.random.default_rng(spec.seed)
+    doc_index = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
+    doc_ends = np.cumsum(lengths[doc_index], dtype=np.int64)  # token end of each position
+    starts = np.arange(spec.num_samples + 1, dtype=np.int64) * spec.seq_length
+    pos = np.searchsorted(doc_ends, starts, side="right")
+    offsets = starts - (doc_ends[pos] - lengths[doc_index[pos]])
+    sample_index = np.stack([pos, offsets], axis=1)
+    shuffle_index = rng.permutation(spec.num_samples).astype(
+        np.uint32 if spec.num_samples < 2**32 else np.int64)
+    return {"document": doc_index, "sample": sample_index, "shuffle": shuffle_index}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_cached(cache_dir: Path, key: str) -> dict[str, np.ndarray] | None:
+    """The cached indices for ``key`` (memory-mapped), or None if absent or not intact."""
+    manifest = cache_dir / f"{key}.json"
+    if not manifest.is_file():
+        return None
+    try:
+        meta = json.loads(manifest.read_text())
+        out = {}
+        for name, info in meta["files"].items():
+            path = cache_dir / info["file"]
+            if path.stat().st_size != info["size"] or _sha256(path) != info["sha256"]:
+                return None
+            out[name] = np.load(path, mmap_mode="r")
+        return out
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save_cached(cache_dir: Path, key: str, arrays: dict[str, np.ndarray], spec: IndexSpec) -> None:
+    """Write arrays then the manifest, each to a temporary name renamed into place."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, arr in arrays.items():
+        final = cache_dir / f"{key}-{name}.npy"
+        tmp = cache_dir / f".{key}-{name}.npy.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, final)
+        files[name] = {"file": final.name, "size": final.stat().st_size, "sha256": _sha256(final)}
+    tmp = cache_dir / f".{key}.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"spec": asdict(spec), "files": files}, indent=1))
+    os.replace(tmp, cache_dir / f"{key}.json")
+
+
+def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
+                fingerprint: str | None = None) -> tuple[dict[str, np.ndarray], bool]:
+    """Cached indices for ``spec`` (built and cached when missing or damaged).
+    Returns (arrays, built_now)."""
+    key = spec.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
+    cached = load_cached(cache_dir, key)
+    if cached is not None:
+        return cached, False
+    arrays = build_indices(lengths, spec)
+    save_cached(cache_dir, key, arrays, spec)
+    return arrays, True
+
+
+def sample_tokens(tokens: np.ndarray, pointers_tok: np.ndarray, lengths: np.ndarray,
+                  idx: dict[str, np.ndarray], i: int, seq_length: int) -> np.ndarray:
+    """The ``seq_length + 1`` tokens of served sample ``i`` (through the shuffle index).
+
+    ``pointers_tok`` holds each document's first token position in the flat ``tokens`` array.
+    """
+    j = int(idx["shuffle"][i])
+    (p0, o0), (p1, o1) = idx["sample"][j], idx["sample"][j + 1]
+    doc_index = idx["document"]
+    if p0 == p1:
+        d = int(doc_index[p0])
+        start = int(pointers_tok[d]) + int(o0)
+        return np.asarray(tokens[start:start + seq_length + 1])
+    pieces = []
+    for p in range(int(p0), int(p1) + 1):
+        d = int(doc_index[p])
+        lo = int(o0) if p == p0 else 0
+        hi = int(o1) + 1 if p == p1 else int(lengths[d])
+        pieces.append(tokens[int(pointers_tok[d]) + lo:int(pointers_tok[d]) + hi])
+    return np.concatenate(pieces)[:seq_length + 1]
