@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Look inside an indexed dataset (.bin/.idx).
+
+    python tools/inspect_data.py PREFIX stats                      # documents, tokens, lengths
+    python tools/inspect_data.py PREFIX doc 12 --tokenizer-type sentencepiece --tokenizer-model M
+    python tools/inspect_data.py PREFIX sample 7 --seq-length 1024 ...   # a stream window
+    python tools/inspect_data.py PREFIX lint --tokenizer-type ... --tokenizer-model ...
+
+``lint`` reports doubled separators, empty documents and token ids outside the vocabulary, and
+exits 1 when it finds any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from megatron_lite.data.indexed import IndexedDataset  # noqa: E402
+from megatron_lite.data.tokenizers import load_tokenizer  # noqa: E402
+
+CHUNK = 1 << 24
+
+
+def stats(ds: IndexedDataset) -> list[str]:
+    lengths = ds.lengths.astype(np.int64)
+    lines = [f"documents: {len(ds):,}", f"tokens: {int(lengths.sum()):,}", f"token dtype: {ds.dtype}"]
+    if lengths.size:
+        q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int)
+        lines.append(f"document length min/median/p90/p99/max: {' / '.join(f'{x:,}' for x in q)}")
+        edges = [0, 1, 16, 128, 1024, 8192, 65536, np.inf]
+        hist, _ = np.histogram(lengths, bins=edges)
+        for lo, hi, n in zip(edges[:-1], edges[1:], hist, strict=True):
+            lines.append(f"  [{lo:>6}, {hi:>6}) tokens: {n:,}")
+    return lines
+
+
+def lint(ds: IndexedDataset, vocab_size: int | None, separators: list[int]) -> list[str]:
+    """Problems found, one line each (counts and first positions); reads the tokens in chunks."""
+    problems = []
+    empty = np.flatnonzero(ds.lengths == 0)
+    if empty.size:
+        problems.append(f"{empty.size:,} empty document(s), first: {empty[:5].tolist()}")
+    seps = np.asarray(separators)
+    doubled: list[int] = []
+    bad_ids: list[int] = []
+    n_doubled = n_bad = 0
+    prev_sep = False
+    for start in range(0, ds.n_tokens, CHUNK):
+        chunk = np.asarray(ds.tokens[start:start + CHUNK])
+        if seps.size:
+            is_sep = np.isin(chunk, seps)
+            # A pair may straddle two chunks: prepend the previous chunk's last flag.
+            flags = np.concatenate([[prev_sep], is_sep])
+            pairs = np.flatnonzero(flags[1:] & flags[:-1]) + start
+            n_doubled += pairs.size
+            doubled += pairs[:5 - len(doubled)].tolist()
+            prev_sep = bool(is_sep[-1])
+        if vocab_size is not None:
+            bad = np.flatnonzero((chunk < 0) | (chunk >= vocab_size)) + start
+            n_bad += bad.size
+            bad_ids += bad[:5 - len(bad_ids)].tolist()
+    if n_doubled:
+        problems.append(f"{n_doubled:,} doubled separator(s) (two in a row), first at token "
+                        f"position(s) {doubled}")
+    if n_bad:
+        problems.append(f"{n_bad:,} token id(s) outside the vocabulary of {vocab_size}, first at "
+                        f"token position(s) {bad_ids}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prefix")
+    p.add_argument("command", choices=["stats", "doc", "sample", "lint"])
+    p.add_argument("index", nargs="?", type=int, default=0)
+    p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"])
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--seq-length", type=int, default=1024, help="sample: window length")
+    a = p.parse_args(argv)
+    try:
+        ds = IndexedDataset(a.prefix)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(a.tokenizer_type, a.tokenizer_model) if a.tokenizer_model else None
+    if a.command == "stats":
+        print("\n".join(stats(ds)))
+        return 0
+    if a.command in ("doc", "sample"):
+        if a.command == "doc":
+            ids = ds[a.index]
+        else:
+            start = a.index * a.seq_length
+            ids = np.asarray(ds.tokens[start:start + a.seq_length + 1])
+        print(tok.decode(ids.tolist()) if tok else " ".join(map(str, ids.tolist())))
+        return 0
+    separators = [t for t in ((tok.eod_id, tok.bos_id) if tok else ()) if t is not None]
+    problems = lint(ds, tok.vocab_size if tok else None, separators)
+    print("\n".join(problems) if problems else "no problems found")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
