@@ -31,3 +31,19 @@ def test_missing_dataset_fails_every_rank_quickly(tmp_path):
                          f"logging.dir={tmp_path}/run"], nproc=2, timeout=180)
     assert proc.returncode != 0
     assert "preprocess_data.py" in proc.stderr
+
+
+def test_resume_with_a_different_data_parallel_size_continues_the_same_stream(tmp_path):
+    common = ["recipes/shakespeare-char.yaml", *char_overrides(tmp_path)[:3], "training.log_interval=1",
+              "training.eval_interval=0", "training.eval_iters=1", "training.global_batch_size=8",
+              "training.micro_batch_size=4", "training.sample_tokens=0"]
+    check(run_pretrain([*common, "training.iters=6", f"logging.dir={tmp_path}/full"]))
+    # Interrupted at step 3 on one process, resumed on two.
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
+    check(run_pretrain([*common, *ck, "training.iters=3", f"logging.dir={tmp_path}/a"]))
+    check(run_pretrain([*common, *ck, "training.iters=6", f"logging.dir={tmp_path}/b"], nproc=2))
+    full = _losses(tmp_path / "full")
+    resumed = [r for r in read_metrics(tmp_path / "b") if "loss" in r]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed]), torch.tensor(full[3:]),
+                               rtol=0, atol=1e-5)
