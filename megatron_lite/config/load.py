@@ -119,7 +119,8 @@ def build_config(raw: DictConfig) -> Config:
             problems.append(f"'{path}' is a section, not a value (got {value!r})")
             continue
         try:
-            OmegaConf.update(schema, path, value, merge=False)
+            # merge=True lets a list of mappings become a list of typed entries (data.blend).
+            OmegaConf.update(schema, path, value, merge=isinstance(value, list))
         except OmegaConfBaseException as e:
             first = str(e).splitlines()[0]
             problems.append(f"'{path}' = {value!r}: {first}")

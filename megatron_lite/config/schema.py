@@ -26,10 +26,29 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class BlendEntry:
+    prefix: str = ""
+    """Prefix of one indexed dataset (``PREFIX.bin``/``PREFIX.idx``)."""
+    weight: float = 1.0
+    """Its share of the samples (weights are normalised over the blend)."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     prefix: Optional[str] = None
     """Prefix of the indexed dataset (``PREFIX.bin``/``PREFIX.idx``), e.g.
-    ``data/shakespeare/works_text_document``."""
+    ``data/shakespeare/works_text_document``; give this or ``blend``."""
+    blend: list[BlendEntry] = field(default_factory=list)
+    """Several datasets mixed by weight, e.g. ``[{prefix: a_text_document, weight: 0.7}, ...]``;
+    every prefix of the sample stream matches the weights to within one sample."""
+    split: str = "98,2,0"
+    """Train, validation and test shares of each dataset (Megatron's ``"969,30,1"`` style)."""
+    split_by: str = choice("documents", "tokens")
+    """``documents``: contiguous document ranges, samples through Megatron's document/sample/
+    shuffle indices (documents reshuffled each epoch). ``tokens``: contiguous token ranges of the
+    stream cut into windows (for corpora of one or few documents, like tinyshakespeare)."""
+    cache_dir: Optional[str] = None
+    """Where the sample indices are cached; null means ``index-cache`` beside the data."""
     build_from: Optional[str] = None
     """Raw text (a ``.txt`` file: one document; or ``.jsonl`` with a ``text`` key) to build the
     dataset (and, for ``char``, the vocabulary) from when ``prefix`` does not exist yet."""
@@ -37,8 +56,6 @@ class DataConfig:
     """How text becomes tokens."""
     seq_length: int = 1024
     """Tokens per training sample (each sample reads ``seq_length + 1`` tokens)."""
-    valid_fraction: float = 0.05
-    """Fraction of the token stream (its tail) held out for validation."""
     num_workers: int = 1
     """Data-loader worker processes per rank (0 reads in the training process)."""
     seed: int = 1234

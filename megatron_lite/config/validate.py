@@ -24,6 +24,18 @@ def _check_choices(obj: Any, prefix: str, problems: list[str]) -> None:
             _check_choices(value, path + ".", problems)
 
 
+def split_shares(split: str) -> tuple[float, float, float]:
+    """'969,30,1' -> normalised (train, valid, test) shares; a missing test share is 0."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    if not 1 <= len(parts) <= 3:
+        raise ValueError("give up to three comma-separated shares: train,valid,test")
+    values = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError("shares must be non-negative and not all zero")
+    total = sum(values)
+    return values[0] / total, values[1] / total, values[2] / total
+
+
 def validate(cfg: Config) -> list[str]:
     """All problems found in ``cfg`` (empty when it is consistent)."""
     problems: list[str] = []
@@ -61,10 +73,19 @@ def validate(cfg: Config) -> list[str]:
              f"'model.max_seq_len' = {m.max_seq_len} is shorter than 'data.seq_length' = "
              f"{d.seq_length}")
     need(0.0 <= m.dropout < 1.0, f"'model.dropout' = {m.dropout} must be in [0, 1)")
-    need(0.0 < d.valid_fraction < 1.0,
-         f"'data.valid_fraction' = {d.valid_fraction} must be between 0 and 1 (exclusive)")
+    try:
+        shares = split_shares(d.split)
+        need(shares[0] > 0 and shares[1] > 0,
+             f"'data.split' = {d.split!r} must give training and validation a share")
+    except ValueError as e:
+        problems.append(f"'data.split' = {d.split!r}: {e}")
     need(d.num_workers >= 0, f"'data.num_workers' = {d.num_workers} must be 0 or more")
-    need(d.prefix is not None, "'data.prefix' is required: the .bin/.idx prefix to train on")
+    need((d.prefix is None) != (not d.blend),
+         "give exactly one of 'data.prefix' (one dataset) and 'data.blend' (several)")
+    for i, entry in enumerate(d.blend):
+        need(bool(entry.prefix) and entry.weight > 0,
+             f"'data.blend[{i}]' needs a prefix and a positive weight (got {entry})")
+    need(not (d.blend and d.build_from), "'data.build_from' builds a single 'data.prefix', not a blend")
     need(d.tokenizer.model is not None,
          "'data.tokenizer.model' is required: the tokenizer file or directory")
 

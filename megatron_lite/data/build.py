@@ -17,7 +17,13 @@ def ensure_dataset(cfg: DataConfig, log=print) -> None:
 
     Call on one rank only; the others wait at a barrier. Reuses what exists.
     """
-    assert cfg.prefix is not None and cfg.tokenizer.model is not None
+    assert cfg.tokenizer.model is not None
+    if cfg.prefix is None:  # a blend: its datasets must have been built beforehand
+        missing = [e.prefix for e in cfg.blend if not dataset_exists(e.prefix)]
+        if missing:
+            raise FileNotFoundError(f"blended dataset(s) {missing} do not exist; build them with "
+                                    "tools/preprocess_data.py")
+        return
     if dataset_exists(cfg.prefix):
         return
     if cfg.build_from is None:

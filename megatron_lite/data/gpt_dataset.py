@@ -2,8 +2,9 @@
 
 The ``.bin`` file holds all documents back to back (with their separators), so the flat memory
 map *is* the token stream and samples run across document boundaries with no extra index.
-The stream's head is for training and its tail for validation (``data.valid_fraction``): a
-token split, so even a single-document corpus (tinyshakespeare) splits.
+With ``data.split_by: tokens`` the stream's head is for training and the next range for
+validation: a token split, so even a single-document corpus (tinyshakespeare) splits. With
+``documents`` (``DocumentSamples``), Megatron's document-level semantics apply instead.
 
 Sample ``g`` (a global index that only grows: consumed samples) is found without state:
 epoch ``e = g // n``, then the ``g % n``-th of the epoch's ``n`` windows, which are the cells of
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -82,13 +84,60 @@ class StreamDataset(torch.utils.data.Dataset):
         return torch.from_numpy(window.astype(np.int64))
 
 
-def splits(prefix: str, seq_length: int, valid_fraction: float, seed: int
-           ) -> tuple[StreamSplit, StreamSplit]:
-    """Train (head, shuffled) and validation (tail, in order) splits of a dataset."""
+def split_bounds(n: int, shares: tuple[float, float, float]) -> list[int]:
+    """Boundaries [0, train_end, valid_end, n] of ``n`` items cut by ``shares`` (Megatron's
+    rounding: each share rounded, the last boundary forced to ``n``)."""
+    bounds = [0]
+    for share in shares:
+        bounds.append(bounds[-1] + int(round(share * n)))
+    diff = bounds[-1] - n
+    return [0] + [b - diff for b in bounds[1:]]
+
+
+def token_splits(prefix: str, seq_length: int, shares: tuple[float, float, float], seed: int
+                 ) -> tuple[StreamSplit, StreamSplit]:
+    """Train (shuffled windows) and validation (windows in order) token ranges of a dataset."""
     n = IndexedDataset(prefix).n_tokens
-    cut = int(round(n * (1.0 - valid_fraction)))
-    return (StreamSplit(prefix, 0, cut, seq_length, True, seed),
-            StreamSplit(prefix, cut, n, seq_length, False, seed))
+    b = split_bounds(n, shares)
+    return (StreamSplit(prefix, b[0], b[1], seq_length, True, seed),
+            StreamSplit(prefix, b[1], b[2], seq_length, False, seed))
+
+
+class DocumentSamples(torch.utils.data.Dataset):
+    """Samples of a document range with Megatron's semantics (``gpt_index``): documents
+    reshuffled each epoch, samples across document boundaries, sample order shuffled."""
+
+    def __init__(self, prefix: str, doc_begin: int, doc_end: int, seq_length: int, num_samples: int,
+                 seed: int, cache_dir: Path, shuffle: bool = True):
+        from megatron_lite.data.gpt_index import IndexSpec, get_indices
+
+        data = IndexedDataset(prefix)
+        if data.lengths[doc_begin:doc_end].sum() <= seq_length:
+            raise ValueError(f"'{prefix}': documents {doc_begin}..{doc_end} of this split hold fewer "
+                             f"tokens than one sample of data.seq_length={seq_length}; change "
+                             "data.split or use more data")
+        self.prefix, self.seq_length = prefix, seq_length
+        spec = IndexSpec(prefix, doc_begin, doc_end, seq_length, num_samples, seed)
+        self.index, self.built = get_indices(data.lengths, spec, cache_dir)
+        if not shuffle:
+            self.index = {**self.index, "shuffle": np.arange(num_samples)}
+        self.num_samples = num_samples
+        self._data: IndexedDataset | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from megatron_lite.data.gpt_index import sample_tokens
+
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} is beyond the {self.num_samples} planned for '{self.prefix}'")
+        if self._data is None:
+            self._data = IndexedDataset(self.prefix)
+            self._pointers = self._data.pointers // self._data.dtype.itemsize
+        d = self._data
+        tokens = sample_tokens(d.tokens, self._pointers, d.lengths, self.index, i, self.seq_length)
+        return torch.from_numpy(tokens.astype(np.int64))
 
 
 class GlobalBatchSampler:

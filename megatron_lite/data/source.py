@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_lite.config.schema import DataConfig
-from megatron_lite.data.gpt_dataset import GlobalBatchSampler, StreamDataset, splits
+from megatron_lite.config.validate import split_shares
+from megatron_lite.data.blend import BlendedSamples, blend_order
+from megatron_lite.data.gpt_dataset import (
+    DocumentSamples,
+    GlobalBatchSampler,
+    StreamDataset,
+    split_bounds,
+    token_splits,
+)
+from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
+
+SPLIT_NAMES = ("training", "validation")
 
 
 @dataclass
@@ -17,12 +30,12 @@ class DataSource:
     """Everything the trainer needs from the data side."""
 
     tokenizer: Tokenizer
-    train: StreamDataset
-    valid: StreamDataset
+    train: torch.utils.data.Dataset
+    valid: torch.utils.data.Dataset
     num_workers: int
     pin_memory: bool
 
-    def loader(self, dataset: StreamDataset, sampler: GlobalBatchSampler) -> Iterator[torch.Tensor]:
+    def loader(self, dataset, sampler: GlobalBatchSampler) -> Iterator[torch.Tensor]:
         """Endless iterator of (micro_batch, seq_length + 1) int64 token batches."""
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=self.num_workers,
@@ -32,11 +45,38 @@ class DataSource:
         return iter(loader)
 
 
-def build_data(cfg: DataConfig, pin_memory: bool = False) -> DataSource:
-    """Tokenizer and datasets for ``cfg`` (the dataset must exist: see ``ensure_dataset``)."""
-    assert cfg.prefix is not None and cfg.tokenizer.model is not None
-    tokenizer = load_tokenizer(cfg.tokenizer.type, cfg.tokenizer.model)
-    train, valid = splits(cfg.prefix, cfg.seq_length, cfg.valid_fraction, cfg.seed)
-    return DataSource(tokenizer, StreamDataset(train), StreamDataset(valid), cfg.num_workers,
-                      pin_memory)
+def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int):
+    shares = split_shares(cfg.split)
+    if cfg.split_by == "tokens":
+        return StreamDataset(token_splits(prefix, cfg.seq_length, shares, cfg.seed)[split])
+    n_docs = len(IndexedDataset(prefix))
+    bounds = split_bounds(n_docs, shares)
+    lo, hi = bounds[split], bounds[split + 1]
+    if hi <= lo:
+        raise ValueError(f"'{prefix}' has {n_docs} document(s): data.split={cfg.split!r} leaves its "
+                         f"{SPLIT_NAMES[split]} split empty (use data.split_by=tokens for a corpus of "
+                         "one or few documents)")
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else Path(prefix).parent / "index-cache"
+    return DocumentSamples(prefix, lo, hi, cfg.seq_length, num_samples, cfg.seed, cache,
+                           shuffle=split == 0)
 
+
+def _split_dataset(cfg: DataConfig, split: int, num_samples: int):
+    entries = [(cfg.prefix, 1.0)] if cfg.prefix else [(e.prefix, e.weight) for e in cfg.blend]
+    if len(entries) == 1:
+        return _one_dataset(cfg, entries[0][0], split, num_samples)
+    which, nth = blend_order([w for _, w in entries], num_samples)
+    counts = np.bincount(which, minlength=len(entries))
+    parts = [_one_dataset(cfg, prefix, split, max(int(c), 1))
+             for (prefix, _), c in zip(entries, counts, strict=True)]
+    return BlendedSamples(parts, which, nth)
+
+
+def build_data(cfg: DataConfig, train_samples: int, valid_samples: int,
+               pin_memory: bool = False) -> DataSource:
+    """Tokenizer and the train/validation datasets sized for the run (indices built or loaded
+    from the cache). The datasets must exist: see ``ensure_dataset``."""
+    assert cfg.tokenizer.model is not None
+    tokenizer = load_tokenizer(cfg.tokenizer.type, cfg.tokenizer.model)
+    return DataSource(tokenizer, _split_dataset(cfg, 0, train_samples),
+                      _split_dataset(cfg, 1, valid_samples), cfg.num_workers, pin_memory)

@@ -58,12 +58,15 @@ def run(cfg: Config) -> RunResult:
             print(msg, flush=True)
 
     on_rank0_then_all(lambda: ensure_dataset(cfg.data, log=log))
-    data = build_data(cfg.data, pin_memory=acc.device_name() == "cuda")
+    iters = total_iters(cfg, dims.global_batch(cfg))
+    samples = (iters * dims.global_batch(cfg), cfg.training.eval_iters * dims.global_batch(cfg))
+    # Rank 0 builds (and caches) the sample indices; then every rank maps them.
+    on_rank0_then_all(lambda: build_data(cfg.data, *samples))
+    data = build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda")
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                          f"{data.tokenizer.vocab_size}")
-    iters = total_iters(cfg, dims.global_batch(cfg))
 
     torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
     model = build_model(model_cfg, acc.current_device_name())

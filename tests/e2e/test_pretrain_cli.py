@@ -90,3 +90,22 @@ def test_llama_quickstart_recipe_with_wandb_offline_and_resume(tmp_path, sp_data
     steps = [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r]
     assert steps == [5, 6]
     assert read_metrics(tmp_path / "b")[-1]["consumed_samples"] == 6 * 8
+
+
+def test_blend_of_two_datasets_trains_and_reuses_its_index_cache(tmp_path, sp_data):
+    import shutil
+
+    for name in ("a", "b"):  # two copies: a blend of distinct datasets
+        for suffix in (".bin", ".idx"):
+            shutil.copy(f"{sp_data}/works_text_document{suffix}", tmp_path / f"{name}_text_document{suffix}")
+    blend = (f"data.blend=[{{prefix: {tmp_path}/a_text_document, weight: 0.75}},"
+             f"{{prefix: {tmp_path}/b_text_document, weight: 0.25}}]")
+    args = ["recipes/quickstart.yaml", "data.prefix=null", blend, f"data.tokenizer.model={sp_data}/sp.model",
+            "model.n_layers=1", "data.seq_length=32", "training.micro_batch_size=4",
+            "training.global_batch_size=4", "training.iters=3", "training.eval_iters=1",
+            "training.sample_tokens=0", f"data.cache_dir={tmp_path}/cache", f"logging.dir={tmp_path}/run"]
+    check(run_pretrain(args))
+    manifests = sorted(p.name for p in (tmp_path / "cache").glob("*.json"))
+    assert len(manifests) == 4  # train and validation indices of each dataset
+    check(run_pretrain(args))
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.json")) == manifests

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from megatron_lite.data.gpt_dataset import GlobalBatchSampler, StreamDataset, splits
+from megatron_lite.data.gpt_dataset import GlobalBatchSampler, StreamDataset, token_splits
 from megatron_lite.data.indexed import IndexedDatasetWriter
 
 
@@ -19,7 +19,7 @@ def prefix(tmp_path):
 
 
 def test_samples_are_contiguous_windows_across_documents(prefix):
-    train, valid = splits(prefix, seq_length=8, valid_fraction=0.2, seed=0)
+    train, valid = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
     ds = StreamDataset(train)
     for i in range(3 * len(ds)):  # three epochs
         s = ds[i].numpy()
@@ -32,7 +32,7 @@ def test_samples_are_contiguous_windows_across_documents(prefix):
 
 
 def test_epochs_reshuffle_and_shift_the_grid(prefix):
-    train, _ = splits(prefix, seq_length=8, valid_fraction=0.2, seed=0)
+    train, _ = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
     ds = StreamDataset(train)
     n = len(ds)
     e0 = [ds.start_of(i) for i in range(n)]
@@ -56,6 +56,6 @@ def test_sampler_resumes_and_splits_the_global_batch():
 
 
 def test_too_little_data_is_a_clear_error(prefix):
-    train, _ = splits(prefix, seq_length=200, valid_fraction=0.2, seed=0)
+    train, _ = token_splits(prefix, 200, (0.8, 0.2, 0.0), 0)
     with pytest.raises(ValueError, match="seq_length"):
         StreamDataset(train)

@@ -1,0 +1,46 @@
+import numpy as np
+import pytest
+
+from megatron_lite.config import ConfigError, load_config
+from megatron_lite.config.validate import split_shares
+from megatron_lite.data.blend import blend_order
+from megatron_lite.data.gpt_dataset import split_bounds
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [0.5, 0.25, 0.125, 0.125], [0.91, 0.06, 0.03]])
+def test_blend_within_one_sample_at_every_prefix(weights):
+    n = 5000
+    which, nth = blend_order(weights, n)
+    w = np.asarray(weights) / sum(weights)
+    counts = np.zeros((n, len(w)))
+    counts[np.arange(n), which] = 1
+    realised = np.cumsum(counts, axis=0)
+    ideal = np.outer(np.arange(1, n + 1), w)
+    assert np.abs(realised - ideal).max() <= 1.0
+    for k in range(len(w)):  # each dataset's samples are taken in order, none twice
+        assert nth[which == k].tolist() == list(range(int((which == k).sum())))
+
+
+def test_split_strings_and_bounds():
+    assert split_shares("969,30,1") == pytest.approx((0.969, 0.030, 0.001))
+    assert split_shares("90,10") == pytest.approx((0.9, 0.1, 0.0))
+    assert split_bounds(1000, split_shares("969,30,1")) == [0, 969, 999, 1000]
+    assert split_bounds(42, split_shares("95,5,0")) == [0, 40, 42, 42]
+    with pytest.raises(ValueError):
+        split_shares("a,b")
+
+
+def test_blend_recipe_keys(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "base: " + str(REPO / "recipes/quickstart.yaml") + "\n"
+        "data:\n  prefix: null\n  blend:\n    - {prefix: a_text_document, weight: 0.7}\n"
+        "    - {prefix: b_text_document, weight: 0.3}\n")
+    cfg = load_config(recipe)
+    got = [(e.prefix, e.weight) for e in cfg.data.blend]
+    assert got == [("a_text_document", 0.7), ("b_text_document", 0.3)]
+    with pytest.raises(ConfigError, match="exactly one of 'data.prefix'"):
+        load_config(recipe, ["data.prefix=c_text_document"])
+    with pytest.raises(ConfigError, match="data.split"):
+        load_config(recipe, ["data.split=0,1,0"])
