@@ -61,3 +61,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+@pytest.fixture(scope="session")
+def sp_data(tmp_path_factory) -> Path:
+    """A sentencepiece tokenizer and dataset of the Shakespeare works (built once per session)."""
+    require_shared()
+    d = tmp_path_factory.mktemp("spdata")
+    for cmd in (
+        ["tools/train_tokenizer.py", "--input", str(WORKS_JSONL), "--vocab-size", "1024",
+         "--output", f"{d}/sp"],
+        ["tools/preprocess_data.py", "--input", str(WORKS_JSONL), "--output-prefix", f"{d}/works",
+         "--tokenizer-type", "sentencepiece", "--tokenizer-model", f"{d}/sp.model", "--append-eod"],
+    ):
+        subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True)
+    return d

@@ -49,6 +49,9 @@ class DataConfig:
     stream cut into windows (for corpora of one or few documents, like tinyshakespeare)."""
     cache_dir: Optional[str] = None
     """Where the sample indices are cached; null means ``index-cache`` beside the data."""
+    cache_shared: bool = True
+    """True: ``cache_dir`` is on a filesystem all nodes share, rank 0 builds the indices. False:
+    it is node-local, local rank 0 of every node builds them."""
     build_from: Optional[str] = None
     """Raw text (a ``.txt`` file: one document; or ``.jsonl`` with a ``text`` key) to build the
     dataset (and, for ``char``, the vocabulary) from when ``prefix`` does not exist yet."""

@@ -108,7 +108,7 @@ class DocumentSamples(torch.utils.data.Dataset):
     reshuffled each epoch, samples across document boundaries, sample order shuffled."""
 
     def __init__(self, prefix: str, doc_begin: int, doc_end: int, seq_length: int, num_samples: int,
-                 seed: int, cache_dir: Path, shuffle: bool = True):
+                 seed: int, cache_dir: Path, shuffle: bool = True, build: bool = True):
         from megatron_lite.data.gpt_index import IndexSpec, get_indices
 
         data = IndexedDataset(prefix)
@@ -118,7 +118,7 @@ class DocumentSamples(torch.utils.data.Dataset):
                              "data.split or use more data")
         self.prefix, self.seq_length = prefix, seq_length
         spec = IndexSpec(prefix, doc_begin, doc_end, seq_length, num_samples, seed)
-        self.index, self.built = get_indices(data.lengths, spec, cache_dir)
+        self.index, self.built = get_indices(data.lengths, spec, cache_dir, build=build)
         if not shuffle:
             self.index = {**self.index, "shuffle": np.arange(num_samples)}
         self.num_samples = num_samples

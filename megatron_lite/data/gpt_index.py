@@ -121,13 +121,18 @@ def save_cached(cache_dir: Path, key: str, arrays: dict[str, np.ndarray], spec: 
 
 
 def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
-                fingerprint: str | None = None) -> tuple[dict[str, np.ndarray], bool]:
-    """Cached indices for ``spec`` (built and cached when missing or damaged).
-    Returns (arrays, built_now)."""
+                fingerprint: str | None = None, build: bool = True) -> tuple[dict[str, np.ndarray], bool]:
+    """Cached indices for ``spec``, built and cached when missing or damaged (only where
+    ``build``: other ranks must find what a builder rank wrote). Returns (arrays, built_now)."""
     key = spec.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
     cached = load_cached(cache_dir, key)
     if cached is not None:
         return cached, False
+    if not build:
+        raise FileNotFoundError(
+            f"sample index {cache_dir}/{key}.json is missing or damaged on this rank although the "
+            "building rank wrote it: if data.cache_dir is not on a filesystem all nodes share, set "
+            "data.cache_shared=false")
     arrays = build_indices(lengths, spec)
     save_cached(cache_dir, key, arrays, spec)
     return arrays, True

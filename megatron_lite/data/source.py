@@ -45,7 +45,7 @@ class DataSource:
         return iter(loader)
 
 
-def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int):
+def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int, build: bool):
     shares = split_shares(cfg.split)
     if cfg.split_by == "tokens":
         return StreamDataset(token_splits(prefix, cfg.seq_length, shares, cfg.seed)[split])
@@ -58,25 +58,26 @@ def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int):
                          "one or few documents)")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else Path(prefix).parent / "index-cache"
     return DocumentSamples(prefix, lo, hi, cfg.seq_length, num_samples, cfg.seed, cache,
-                           shuffle=split == 0)
+                           shuffle=split == 0, build=build)
 
 
-def _split_dataset(cfg: DataConfig, split: int, num_samples: int):
+def _split_dataset(cfg: DataConfig, split: int, num_samples: int, build: bool):
     entries = [(cfg.prefix, 1.0)] if cfg.prefix else [(e.prefix, e.weight) for e in cfg.blend]
     if len(entries) == 1:
-        return _one_dataset(cfg, entries[0][0], split, num_samples)
+        return _one_dataset(cfg, entries[0][0], split, num_samples, build)
     which, nth = blend_order([w for _, w in entries], num_samples)
     counts = np.bincount(which, minlength=len(entries))
-    parts = [_one_dataset(cfg, prefix, split, max(int(c), 1))
+    parts = [_one_dataset(cfg, prefix, split, max(int(c), 1), build)
              for (prefix, _), c in zip(entries, counts, strict=True)]
     return BlendedSamples(parts, which, nth)
 
 
 def build_data(cfg: DataConfig, train_samples: int, valid_samples: int,
-               pin_memory: bool = False) -> DataSource:
-    """Tokenizer and the train/validation datasets sized for the run (indices built or loaded
-    from the cache). The datasets must exist: see ``ensure_dataset``."""
+               pin_memory: bool = False, build: bool = True) -> DataSource:
+    """Tokenizer and the train/validation datasets sized for the run. Sample indices are loaded
+    from the cache, or built into it where ``build`` (else a missing index is an error). The
+    datasets must exist: see ``ensure_dataset``."""
     assert cfg.tokenizer.model is not None
     tokenizer = load_tokenizer(cfg.tokenizer.type, cfg.tokenizer.model)
-    return DataSource(tokenizer, _split_dataset(cfg, 0, train_samples),
-                      _split_dataset(cfg, 1, valid_samples), cfg.num_workers, pin_memory)
+    return DataSource(tokenizer, _split_dataset(cfg, 0, train_samples, build),
+                      _split_dataset(cfg, 1, valid_samples, build), cfg.num_workers, pin_memory)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.launcher_env import LaunchEnv
+
+T = TypeVar("T")
 
 
 class TopologyError(ValueError):
@@ -87,22 +90,38 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     return dims, acc
 
 
-def on_rank0_then_all(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on rank 0 while the others wait; if it fails, every rank raises (rather than
-    the others waiting at a barrier for a rank that has died)."""
-    error: BaseException | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            fn()
-        except Exception as e:  # re-raised below, on every rank
-            error = e
+def raise_together(error: BaseException | None) -> None:
+    """Collective: every rank raises if any rank has an ``error`` (its own, or a pointer to the
+    other rank's), instead of the healthy ranks waiting forever in a later collective."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         failed = torch.tensor([int(error is not None)])
-        dist.broadcast(failed, src=0)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            raise RuntimeError("rank 0 failed (its error is printed above)")
+            raise RuntimeError("another rank failed (its error is printed above)")
     if error is not None:
         raise error
+
+
+def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, per_node: bool = False) -> None:
+    """Run ``fn`` on rank 0 (or, with ``per_node``, on local rank 0 of every node: node-local
+    disks) while the others wait; if it fails, every rank raises."""
+    error: BaseException | None = None
+    if (dims.local_rank if per_node else dims.rank) == 0:
+        try:
+            fn()
+        except Exception as e:  # re-raised by raise_together, on every rank
+            error = e
+    raise_together(error)
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank; if it fails on any, every rank raises."""
+    try:
+        result, error = fn(), None
+    except Exception as e:
+        result, error = None, e
+    raise_together(error)
+    return result  # type: ignore[return-value]
 
 
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import on_rank0_then_all
+from megatron_lite.distributed.parallel_dims import on_every_rank, on_one_rank_then_all
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.training.engine import build_engine, deepspeed_config
@@ -57,12 +57,15 @@ def run(cfg: Config) -> RunResult:
         if dims.is_main:
             print(msg, flush=True)
 
-    on_rank0_then_all(lambda: ensure_dataset(cfg.data, log=log))
+    on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims)
     iters = total_iters(cfg, dims.global_batch(cfg))
     samples = (iters * dims.global_batch(cfg), cfg.training.eval_iters * dims.global_batch(cfg))
-    # Rank 0 builds (and caches) the sample indices; then every rank maps them.
-    on_rank0_then_all(lambda: build_data(cfg.data, *samples))
-    data = build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda")
+    # One rank builds (and caches) the sample indices (one per node for node-local caches),
+    # then every rank maps them.
+    on_one_rank_then_all(lambda: build_data(cfg.data, *samples), dims,
+                         per_node=not cfg.data.cache_shared)
+    data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
+                                            build=False))
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "

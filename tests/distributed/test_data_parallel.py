@@ -47,3 +47,39 @@ def test_resume_with_a_different_data_parallel_size_continues_the_same_stream(tm
     assert [r["step"] for r in resumed] == [4, 5, 6]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed]), torch.tensor(full[3:]),
                                rtol=0, atol=1e-5)
+
+
+def test_node_local_index_cache_is_built_on_every_node(tmp_path, sp_data):
+    """Two single-process 'nodes' (torchrun --nnodes 2 on one machine), each with its own cache
+    directory: with data.cache_shared=false each node's local rank 0 builds its indices."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, _free_port, cpu_env
+
+    def launch(shared: bool, run: str) -> list[str]:
+        port = _free_port()
+        args = ["recipes/quickstart.yaml", f"data.prefix={sp_data}/works_text_document",
+                f"data.tokenizer.model={sp_data}/sp.model", "model.n_layers=1", "data.seq_length=32",
+                "training.micro_batch_size=2", "training.global_batch_size=4", "training.iters=1",
+                "training.eval_iters=1", "training.sample_tokens=0", f"data.cache_shared={shared}",
+                f"logging.dir={tmp_path}/{run}"]
+        procs = []
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   str(REPO / "pretrain.py"), *args,
+                   f"data.cache_dir={tmp_path}/cache-{run}-{node}"]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        caches = [sorted(x.name for x in (tmp_path / f"cache-{run}-{n}").glob("*.json")) for n in range(2)]
+        return [p.returncode for p in procs], outs, caches
+
+    codes, outs, caches = launch(False, "local")
+    assert codes == [0, 0], outs
+    assert len(caches[0]) == 2 and caches[0] == caches[1]
+    # Claiming a shared cache that is not shared: the second node finds no index and says why.
+    codes, outs, caches = launch(True, "shared")
+    assert codes[1] != 0 and "data.cache_shared=false" in outs[1]
+    assert len(caches[0]) == 2 and caches[1] == []

@@ -1,8 +1,7 @@
 """pretrain.py as a user runs it: a subprocess from the repository root."""
 
-import pytest
 
-from tests.conftest import WORKS_JSONL, char_overrides, check, read_metrics, run_pretrain
+from tests.conftest import char_overrides, check, read_metrics, run_pretrain
 
 RECIPE = "recipes/shakespeare-char.yaml"
 
@@ -56,24 +55,6 @@ def test_shakespeare_char_learns(tmp_path):
     again = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=2",
                                 f"logging.dir={tmp_path}/run2", "training.sample_tokens=0"]))
     assert "building dataset" in proc.stdout and "building dataset" not in again.stdout
-
-
-@pytest.fixture(scope="module")
-def sp_data(tmp_path_factory):
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO, cpu_env
-
-    d = tmp_path_factory.mktemp("spdata")
-    for cmd in (
-        ["tools/train_tokenizer.py", "--input", str(WORKS_JSONL), "--vocab-size", "1024",
-         "--output", f"{d}/sp"],
-        ["tools/preprocess_data.py", "--input", str(WORKS_JSONL), "--output-prefix", f"{d}/works",
-         "--tokenizer-type", "sentencepiece", "--tokenizer-model", f"{d}/sp.model", "--append-eod"],
-    ):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True)
-    return d
 
 
 def test_llama_quickstart_recipe_with_wandb_offline_and_resume(tmp_path, sp_data):

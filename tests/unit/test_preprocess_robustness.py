@@ -131,3 +131,13 @@ def test_merge_concatenates_in_order(tmp_path, chars):
     docs, _ = merge([str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")],
                     str(tmp_path / "ab"), chunk_tokens=4)
     assert docs == 3 and _texts(tmp_path / "ab", chars) == ["one", "two", "three"]
+
+
+def test_progress_bar_reports_rates(tmp_path, chars, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": "Some text."}) + "\n" for _ in range(100)))
+    _run_progress = preprocess([str(src)], str(tmp_path / "o"), ["text"], "char", chars,
+                               log=lambda *_: None, show_progress=True)
+    err = capsys.readouterr().err
+    assert _run_progress.documents == 100
+    assert "preprocess" in err and "docs/s" in err and "tok/s" in err
