@@ -66,14 +66,16 @@ def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]
     docs = np.arange(spec.doc_begin, spec.doc_end, dtype=np.int32)
     split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
     epochs = epochs_needed(split_tokens, spec.seq_length, spec.num_samples)
-    rng = np.random.default_rng(spec.seed)
-    doc_index = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
+    # Separate streams: epoch e's document order depends only on (seed, e), the sample order
+    # only on (seed, number of samples).
+    doc_index = np.concatenate([np.random.default_rng([spec.seed, 1, e]).permutation(docs)
+                                for e in range(epochs)])
     doc_ends = np.cumsum(lengths[doc_index], dtype=np.int64)  # token end of each position
     starts = np.arange(spec.num_samples + 1, dtype=np.int64) * spec.seq_length
     pos = np.searchsorted(doc_ends, starts, side="right")
     offsets = starts - (doc_ends[pos] - lengths[doc_index[pos]])
     sample_index = np.stack([pos, offsets], axis=1)
-    shuffle_index = rng.permutation(spec.num_samples).astype(
+    shuffle_index = np.random.default_rng([spec.seed, 2]).permutation(spec.num_samples).astype(
         np.uint32 if spec.num_samples < 2**32 else np.int64)
     return {"document": doc_index, "sample": sample_index, "shuffle": shuffle_index}
 
@@ -86,8 +88,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_cached(cache_dir: Path, key: str) -> dict[str, np.ndarray] | None:
-    """The cached indices for ``key`` (memory-mapped), or None if absent or not intact."""
+def load_cached(cache_dir: Path, key: str, verify_hash: bool = True) -> dict[str, np.ndarray] | None:
+    """The cached indices for ``key`` (memory-mapped), or None if absent or not intact.
+    ``verify_hash=False`` checks sizes only: the building rank has just verified the contents,
+    and thousands of ranks re-hashing the same files on a shared filesystem would be costly."""
     manifest = cache_dir / f"{key}.json"
     if not manifest.is_file():
         return None
@@ -96,7 +100,7 @@ def load_cached(cache_dir: Path, key: str) -> dict[str, np.ndarray] | None:
         out = {}
         for name, info in meta["files"].items():
             path = cache_dir / info["file"]
-            if path.stat().st_size != info["size"] or _sha256(path) != info["sha256"]:
+            if path.stat().st_size != info["size"] or (verify_hash and _sha256(path) != info["sha256"]):
                 return None
             out[name] = np.load(path, mmap_mode="r")
         return out
@@ -125,7 +129,7 @@ def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
     """Cached indices for ``spec``, built and cached when missing or damaged (only where
     ``build``: other ranks must find what a builder rank wrote). Returns (arrays, built_now)."""
     key = spec.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
-    cached = load_cached(cache_dir, key)
+    cached = load_cached(cache_dir, key, verify_hash=build)
     if cached is not None:
         return cached, False
     if not build:

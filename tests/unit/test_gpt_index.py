@@ -76,3 +76,12 @@ def test_cache_rebuilds_on_any_change_and_detects_damage(dataset, tmp_path):
         assert built, damage
         np.testing.assert_array_equal(arrays["sample"], build_indices(ds.lengths, spec)["sample"])
     assert sample_file.exists()
+
+
+def test_more_samples_extend_the_same_document_order(dataset):
+    ds = IndexedDataset(dataset)
+    small = build_indices(ds.lengths, IndexSpec(dataset, 0, 60, 8, 50, seed=5))
+    large = build_indices(ds.lengths, IndexSpec(dataset, 0, 60, 8, 400, seed=5))
+    n = small["document"].size
+    np.testing.assert_array_equal(large["document"][:n], small["document"])
+    np.testing.assert_array_equal(large["sample"][:51], small["sample"])
