@@ -17,5 +17,6 @@ setup(
         "wandb>=0.17",
         "tensorboard>=2.15",
     ],
-    extras_require={"test": ["pytest>=8", "ruff>=0.6"]},
+    # pyarrow: parquet input to tools/preprocess_data.py (optional for users, tested here).
+    extras_require={"test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14"]},
 )

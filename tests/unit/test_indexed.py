@@ -20,6 +20,11 @@ def test_round_trip_and_megatron_layout(tmp_path):
                 + struct.pack("<3i", 3, 1, 4) + struct.pack("<3q", 0, 6, 8) + struct.pack("<4q", 0, 1, 2, 3))
     assert (tmp_path / "d.idx").read_bytes() == expected
     assert (tmp_path / "d.bin").read_bytes() == struct.pack("<8H", 5, 6, 7, 1, 2, 3, 4, 9)
+    # ... and a pair built by hand from the specification reads back as those documents.
+    (tmp_path / "hand.idx").write_bytes(expected)
+    (tmp_path / "hand.bin").write_bytes(struct.pack("<8H", 5, 6, 7, 1, 2, 3, 4, 9))
+    hand = IndexedDataset(tmp_path / "hand")
+    assert [hand[i].tolist() for i in range(len(hand))] == docs and hand.dtype == np.uint16
 
 
 def test_aborted_write_leaves_nothing_that_looks_valid(tmp_path):

@@ -100,6 +100,13 @@ def test_very_long_document_is_kept_whole(tmp_path, chars):
     assert CharTokenizer(chars).decode(ds[0]) == doc
 
 
+def test_glob_of_inputs_in_sorted_order(tmp_path, chars):
+    for name in ("b", "a", "c"):
+        (tmp_path / f"part-{name}.jsonl").write_text(json.dumps({"text": f"doc {name}"}) + "\n")
+    _run(tmp_path, chars, [tmp_path / "part-*.jsonl"])
+    assert _texts(tmp_path / "out_text_document", chars) == ["doc a", "doc b", "doc c"]
+
+
 def test_several_keys_give_aligned_datasets(tmp_path, chars):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": f"doc {c}", "title": f"T{c}"}) + "\n" for c in "abc"))
