@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
+
+from megatron_lite.data.gpt_index import load_cached, save_cached
 
 
 def blend_order(weights: list[float], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -26,6 +32,23 @@ def blend_order(weights: list[float], n: int) -> tuple[np.ndarray, np.ndarray]:
         nth[i] = counts[k]
         counts[k] += 1
     return which, nth
+
+
+def cached_blend_order(weights: list[float], n: int, cache_dir: Path, build: bool
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """``blend_order`` through the index cache: computed once (where ``build``), then mapped."""
+    description = {"v": 1, "kind": "blend", "weights": list(map(float, weights)), "samples": n}
+    key = "blend-" + hashlib.sha256(json.dumps(description).encode()).hexdigest()[:24]
+    cached = load_cached(cache_dir, key, verify_hash=build)
+    if cached is None:
+        if not build:
+            raise FileNotFoundError(
+                f"blend index {cache_dir}/{key}.json is missing on this rank although the building "
+                "rank wrote it: if data.cache_dir is not shared by all nodes, set data.cache_shared=false")
+        which, nth = blend_order(weights, n)
+        save_cached(cache_dir, key, {"which": which, "nth": nth}, description)
+        return which, nth
+    return cached["which"], cached["nth"]
 
 
 class BlendedSamples(torch.utils.data.Dataset):

@@ -108,7 +108,7 @@ def load_cached(cache_dir: Path, key: str, verify_hash: bool = True) -> dict[str
         return None
 
 
-def save_cached(cache_dir: Path, key: str, arrays: dict[str, np.ndarray], spec: IndexSpec) -> None:
+def save_cached(cache_dir: Path, key: str, arrays: dict[str, np.ndarray], description: dict) -> None:
     """Write arrays then the manifest, each to a temporary name renamed into place."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -120,7 +120,7 @@ def save_cached(cache_dir: Path, key: str, arrays: dict[str, np.ndarray], spec: 
         os.replace(tmp, final)
         files[name] = {"file": final.name, "size": final.stat().st_size, "sha256": _sha256(final)}
     tmp = cache_dir / f".{key}.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"spec": asdict(spec), "files": files}, indent=1))
+    tmp.write_text(json.dumps({"spec": description, "files": files}, indent=1))
     os.replace(tmp, cache_dir / f"{key}.json")
 
 
@@ -138,7 +138,7 @@ def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
             "building rank wrote it: if data.cache_dir is not on a filesystem all nodes share, set "
             "data.cache_shared=false")
     arrays = build_indices(lengths, spec)
-    save_cached(cache_dir, key, arrays, spec)
+    save_cached(cache_dir, key, arrays, asdict(spec))
     return arrays, True
 
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_lite.config.schema import DataConfig
 from megatron_lite.config.validate import split_shares
-from megatron_lite.data.blend import BlendedSamples, blend_order
+from megatron_lite.data.blend import BlendedSamples, cached_blend_order
 from megatron_lite.data.gpt_dataset import (
     DocumentSamples,
     GlobalBatchSampler,
@@ -45,6 +45,10 @@ class DataSource:
         return iter(loader)
 
 
+def _cache_dir(cfg: DataConfig, prefix: str) -> Path:
+    return Path(cfg.cache_dir) if cfg.cache_dir else Path(prefix).parent / "index-cache"
+
+
 def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int, build: bool):
     shares = split_shares(cfg.split)
     if cfg.split_by == "tokens":
@@ -56,8 +60,7 @@ def _one_dataset(cfg: DataConfig, prefix: str, split: int, num_samples: int, bui
         raise ValueError(f"'{prefix}' has {n_docs} document(s): data.split={cfg.split!r} leaves its "
                          f"{SPLIT_NAMES[split]} split empty (use data.split_by=tokens for a corpus of "
                          "one or few documents)")
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else Path(prefix).parent / "index-cache"
-    return DocumentSamples(prefix, lo, hi, cfg.seq_length, num_samples, cfg.seed, cache,
+    return DocumentSamples(prefix, lo, hi, cfg.seq_length, num_samples, cfg.seed, _cache_dir(cfg, prefix),
                            shuffle=split == 0, build=build)
 
 
@@ -65,7 +68,8 @@ def _split_dataset(cfg: DataConfig, split: int, num_samples: int, build: bool):
     entries = [(cfg.prefix, 1.0)] if cfg.prefix else [(e.prefix, e.weight) for e in cfg.blend]
     if len(entries) == 1:
         return _one_dataset(cfg, entries[0][0], split, num_samples, build)
-    which, nth = blend_order([w for _, w in entries], num_samples)
+    which, nth = cached_blend_order([w for _, w in entries], num_samples,
+                                    _cache_dir(cfg, entries[0][0]), build)
     counts = np.bincount(which, minlength=len(entries))
     parts = [_one_dataset(cfg, prefix, split, max(int(c), 1), build)
              for (prefix, _), c in zip(entries, counts, strict=True)]

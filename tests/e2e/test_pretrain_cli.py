@@ -87,6 +87,6 @@ def test_blend_of_two_datasets_trains_and_reuses_its_index_cache(tmp_path, sp_da
             "training.sample_tokens=0", f"data.cache_dir={tmp_path}/cache", f"logging.dir={tmp_path}/run"]
     check(run_pretrain(args))
     manifests = sorted(p.name for p in (tmp_path / "cache").glob("*.json"))
-    assert len(manifests) == 4  # train and validation indices of each dataset
+    assert len(manifests) == 6  # train and validation indices of each dataset, two blend orders
     check(run_pretrain(args))
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.json")) == manifests

@@ -44,3 +44,16 @@ def test_blend_recipe_keys(tmp_path):
         load_config(recipe, ["data.prefix=c_text_document"])
     with pytest.raises(ConfigError, match="data.split"):
         load_config(recipe, ["data.split=0,1,0"])
+
+
+def test_blend_order_is_cached(tmp_path):
+    from megatron_lite.data.blend import cached_blend_order
+
+    with pytest.raises(FileNotFoundError, match="cache_shared"):
+        cached_blend_order([0.6, 0.4], 100, tmp_path, build=False)
+    which, nth = cached_blend_order([0.6, 0.4], 100, tmp_path, build=True)
+    again = cached_blend_order([0.6, 0.4], 100, tmp_path, build=False)
+    expected = blend_order([0.6, 0.4], 100)
+    for got in (which, again[0]):
+        np.testing.assert_array_equal(got, expected[0])
+    np.testing.assert_array_equal(again[1], expected[1])
