@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_lite.data.gpt_index import IndexSpec, get_indices, sample_tokens
 from megatron_lite.data.indexed import IndexedDataset
 
 
@@ -109,8 +110,6 @@ class DocumentSamples(torch.utils.data.Dataset):
 
     def __init__(self, prefix: str, doc_begin: int, doc_end: int, seq_length: int, num_samples: int,
                  seed: int, cache_dir: Path, shuffle: bool = True, build: bool = True):
-        from megatron_lite.data.gpt_index import IndexSpec, get_indices
-
         data = IndexedDataset(prefix)
         if data.lengths[doc_begin:doc_end].sum() <= seq_length:
             raise ValueError(f"'{prefix}': documents {doc_begin}..{doc_end} of this split hold fewer "
@@ -128,8 +127,6 @@ class DocumentSamples(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from megatron_lite.data.gpt_index import sample_tokens
-
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} is beyond the {self.num_samples} planned for '{self.prefix}'")
         if self._data is None:
