@@ -111,11 +111,27 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor: int = 1
-    """Tensor-parallel size."""
+    """Tensor-parallel size: attention heads, MLP columns and the vocabulary are split over this
+    many ranks (Megatron-style; keep it within a node)."""
     pipeline: int = 1
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size: the layers are cut into this many stages, trained by DeepSpeed's
+    pipeline engine (1F1B over the micro-batches of a step)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs ``tensor`` > 1): norms, dropout and residuals run on
+    a 1/tensor slice of the sequence; all-gather / reduce-scatter replace the all-reduces."""
+    ulysses: int = 1
+    """DeepSpeed-Ulysses sequence-parallel size: each rank holds 1/ulysses of every sequence and
+    attention is computed head-parallel after an all-to-all (for long contexts)."""
+    pipeline_partition: str = choice("parameters", "uniform", "type:Block")
+    """How layers are spread over pipeline stages: balanced by parameter count, the same number
+    of layers per stage, or the same number of transformer blocks per stage."""
     zero_stage: int = choice(0, 1, 2, 3)
-    """DeepSpeed ZeRO stage for the data-parallel dimension."""
+    """DeepSpeed ZeRO stage for the data-parallel dimension (the pipeline engine allows 0 and 1)."""
+    hsdp: bool = False
+    """HSDP-style sharding: ZeRO-3 whose parameter all-gathers stay within groups of
+    ``hsdp_shard_size`` ranks (ZeRO++ hierarchical partitioning). Needs ``zero_stage`` 3 or 0."""
+    hsdp_shard_size: Optional[int] = None
+    """Ranks in one HSDP shard group; null means the ranks of one node."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def validate(cfg: Config) -> list[str]:
         ("training.micro_batch_size", t.micro_batch_size),
         ("training.log_interval", t.log_interval), ("training.eval_iters", t.eval_iters),
         ("parallel.tensor", cfg.parallel.tensor), ("parallel.pipeline", cfg.parallel.pipeline),
+        ("parallel.ulysses", cfg.parallel.ulysses),
     ]:
         need(value >= 1, f"'{key}' = {value} must be at least 1")
     for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
@@ -110,6 +111,49 @@ def validate(cfg: Config) -> list[str]:
              f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "
              f"('schedule.warmup_iters' = {s.warmup_iters})")
 
+    problems.extend(_parallel_problems(cfg))
     need(cfg.checkpoint.save_interval >= 0,
          f"'checkpoint.save_interval' = {cfg.checkpoint.save_interval} must be 0 or more")
     return problems
+
+
+def _parallel_problems(cfg: Config) -> list[str]:
+    """Layouts that cannot work whatever the world size (those that depend on it are checked by
+    ``ParallelDims.plan``)."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    out: list[str] = []
+    if min(p.tensor, p.pipeline, p.ulysses, m.n_heads, m.n_layers) < 1:
+        return out  # reported above
+    kv = m.n_kv_heads or m.n_heads
+    for key, size in [("parallel.tensor", p.tensor), ("parallel.ulysses", p.ulysses)]:
+        if m.n_heads % size or kv % size:
+            out.append(f"'model.n_heads' = {m.n_heads} and 'model.n_kv_heads' = {kv} must both be "
+                       f"divisible by '{key}' = {size} (each rank takes whole heads)")
+        if size > 1 and d.seq_length % size and (key == "parallel.ulysses" or p.sequence_parallel):
+            out.append(f"'data.seq_length' = {d.seq_length} must be divisible by '{key}' = {size} "
+                       "(each rank takes an equal slice of the sequence)")
+    if m.n_layers < p.pipeline:
+        out.append(f"'parallel.pipeline' = {p.pipeline} stages need at least as many layers; "
+                   f"'model.n_layers' = {m.n_layers}")
+    if p.sequence_parallel and p.tensor == 1:
+        out.append("'parallel.sequence_parallel' = true splits the sequence over the tensor-parallel "
+                   "ranks and needs 'parallel.tensor' > 1 (for sequence parallelism without tensor "
+                   "parallelism use 'parallel.ulysses')")
+    if p.ulysses > 1 and (p.tensor > 1 or p.pipeline > 1):
+        out.append(f"'parallel.ulysses' = {p.ulysses} cannot be combined with tensor or pipeline "
+                   f"parallelism in this version (tensor = {p.tensor}, pipeline = {p.pipeline}); "
+                   "use Megatron sequence parallelism ('parallel.sequence_parallel') with tensor > 1")
+    if p.pipeline > 1 and p.zero_stage > 1:
+        out.append(f"'parallel.zero_stage' = {p.zero_stage} with 'parallel.pipeline' = {p.pipeline}: "
+                   "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; set "
+                   "parallel.zero_stage=1")
+    if p.hsdp and p.zero_stage in (1, 2):
+        out.append(f"'parallel.hsdp' = true is ZeRO-3 with node-local parameter gathers, but "
+                   f"'parallel.zero_stage' = {p.zero_stage}; set parallel.zero_stage=3 (or 0)")
+    if p.hsdp and p.pipeline > 1:
+        out.append("'parallel.hsdp' = true needs ZeRO-3, which DeepSpeed's pipeline engine does not "
+                   "support; use parallel.zero_stage=1 with pipeline parallelism")
+    if p.hsdp_shard_size is not None and p.hsdp_shard_size < 1:
+        out.append(f"'parallel.hsdp_shard_size' = {p.hsdp_shard_size} must be at least 1 (or null: "
+                   "the ranks of one node)")
+    return out

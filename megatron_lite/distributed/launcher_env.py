@@ -21,6 +21,8 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str
+    local_world_size: int = 1
+    """Ranks on this node (the default HSDP shard group)."""
 
 
 def _first_host(env: Mapping[str, str]) -> str | None:
@@ -52,17 +54,21 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher, rank, world = "torchrun", get("RANK"), get("WORLD_SIZE")
         local = get("LOCAL_RANK", default="0")
+        local_size = get("LOCAL_WORLD_SIZE")
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher, rank, world = "openmpi", get("OMPI_COMM_WORLD_RANK"), get("OMPI_COMM_WORLD_SIZE")
         local = get("OMPI_COMM_WORLD_LOCAL_RANK", default="0")
+        local_size = get("OMPI_COMM_WORLD_LOCAL_SIZE")
     elif "PMI_RANK" in env:
         launcher, rank, world = "mpich", get("PMI_RANK"), get("PMI_SIZE")
         local = get("PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID", default="0")
+        local_size = get("PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         launcher, rank, world = "slurm", get("SLURM_PROCID"), get("SLURM_NTASKS")
         local = get("SLURM_LOCALID", default="0")
+        local_size = (get("SLURM_NTASKS_PER_NODE") or "").split("(")[0] or None
     else:
-        launcher, rank, world, local = "none", "0", "1", "0"
+        launcher, rank, world, local, local_size = "none", "0", "1", "0", "1"
     if world is None:
         raise RuntimeError(f"launched by {launcher} but the world size is not set in the environment")
     addr = get("MASTER_ADDR") or _first_host(env) or "127.0.0.1"
@@ -71,4 +77,6 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         # A lone process picks a free port so that several can run side by side; launched jobs
         # need one agreed port.
         port = str(_free_port()) if launcher == "none" else "29500"
-    return LaunchEnv(int(rank), int(local), int(world), addr, int(port), launcher)
+    # Without a count from the launcher, assume the whole job is on one node.
+    return LaunchEnv(int(rank), int(local), int(world), addr, int(port), launcher,
+                     int(local_size or world))

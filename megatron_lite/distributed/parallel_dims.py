@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -21,50 +21,121 @@ class TopologyError(ValueError):
     """The recipe's parallel layout does not fit the world size or the model."""
 
 
+# Rank order, innermost first (Megatron's): tensor ranks are neighbours (one node, fastest links),
+# then Ulysses sequence ranks, then data-parallel replicas, then pipeline stages.
+AXES = ("tensor", "ulysses", "data", "pipeline")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
+    """Sizes of the parallel dimensions and this rank's place in them.
+
+    ``world_size = tensor × ulysses × data × pipeline``. Process groups are created once by
+    ``create_groups`` (a collective) and kept here; ``mpu()`` gives DeepSpeed its view of them.
+    """
+
     world_size: int
     rank: int
     local_rank: int
     tensor: int
     pipeline: int
     data: int
+    ulysses: int = 1
+    sequence_parallel: bool = False
+    hsdp_shard_size: int = 0
+    """0: no HSDP; otherwise ZeRO-3 gathers parameters within groups of this many ranks."""
+    groups: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def coordinate(self, axis: str, rank: int | None = None) -> int:
+        rank = self.rank if rank is None else rank
+        for a in AXES:
+            if a == axis:
+                return rank % self.size(a)
+            rank //= self.size(a)
+        raise KeyError(axis)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate("tensor")
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coordinate("ulysses")
 
     @property
     def dp_rank(self) -> int:
-        # Megatron order: tensor ranks innermost, then data, then pipeline.
-        return (self.rank // self.tensor) % self.data
+        return self.coordinate("data")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pipeline")
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def group_ranks(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """All groups of ranks that differ only along ``axes`` (each sorted)."""
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            key = tuple(self.coordinate(a, r) for a in AXES if a not in axes)
+            by_key.setdefault(key, []).append(r)
+        return list(by_key.values())
+
+    def create_groups(self) -> None:
+        """Collective: one process group per dimension (and the combinations DeepSpeed asks for),
+        created on every rank in the same order as ``dist.new_group`` requires."""
+        wanted = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
+                  "pipeline": ("pipeline",), "ulysses_data": ("ulysses", "data")}
+        for name, axes in wanted.items():
+            for ranks in self.group_ranks(axes):
+                group = dist.new_group(ranks) if self.world_size > 1 else None
+                if self.rank in ranks:
+                    self.groups[name] = group
+
+    def group(self, name: str):
+        """The process group of this rank along ``name`` (None: the whole world of one rank)."""
+        if self.world_size == 1:
+            return None
+        return self.groups[name]
+
+    def mpu(self) -> ModelParallelUnit:
+        return ModelParallelUnit(self)
+
     @staticmethod
-    def plan(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0) -> ParallelDims:
+    def plan(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0,
+             local_world_size: int = 1) -> ParallelDims:
         """Validate the layout for ``world_size`` ranks; every problem is reported together."""
         p, m, t = cfg.parallel, cfg.model, cfg.training
         problems = []
-        if world_size % (p.tensor * p.pipeline):
+        model_ranks = p.tensor * p.pipeline * p.ulysses
+        if world_size % model_ranks:
             problems.append(f"world size {world_size} is not divisible by parallel.tensor × "
-                            f"parallel.pipeline = {p.tensor} × {p.pipeline}")
-        if p.tensor > 1 or p.pipeline > 1:
-            problems.append(f"parallel.tensor={p.tensor}, parallel.pipeline={p.pipeline}: tensor and "
-                            "pipeline parallelism are not available in this version; use 1")
-        dp = max(world_size // (p.tensor * p.pipeline), 1)
+                            f"parallel.pipeline × parallel.ulysses = {p.tensor} × {p.pipeline} × "
+                            f"{p.ulysses}; change one of them or the number of ranks")
+        dp = max(world_size // model_ranks, 1)
         if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
             problems.append(f"training.global_batch_size={t.global_batch_size} is not a multiple of "
                             f"training.micro_batch_size × data-parallel size = "
                             f"{t.micro_batch_size} × {dp}")
-        kv = m.n_kv_heads or m.n_heads
-        if m.n_heads % p.tensor or kv % p.tensor:
-            problems.append(f"model.n_heads={m.n_heads} and n_kv_heads={kv} must be divisible by "
-                            f"parallel.tensor={p.tensor}")
-        if m.n_layers % p.pipeline:
-            problems.append(f"model.n_layers={m.n_layers} must be divisible by "
-                            f"parallel.pipeline={p.pipeline}")
+        if m.vocab_size is not None and m.vocab_size % p.tensor:
+            problems.append(f"model.vocab_size={m.vocab_size} must be divisible by parallel.tensor="
+                            f"{p.tensor} (or leave it null: the tokenizer's vocabulary is padded "
+                            "to model.vocab_multiple × parallel.tensor)")
+        shard = 0
+        if p.hsdp:
+            shard = p.hsdp_shard_size or local_world_size
+            sharded = dp * p.ulysses
+            if shard < 1 or sharded % shard:
+                problems.append(f"parallel.hsdp_shard_size={shard} must divide the {sharded} "
+                                "data-parallel ranks (default: the ranks of one node)")
         if problems:
             raise TopologyError("parallel layout problem(s):\n" + "\n".join(f"  - {x}" for x in problems))
-        return ParallelDims(world_size, rank, local_rank, p.tensor, p.pipeline, dp)
+        return ParallelDims(world_size, rank, local_rank, p.tensor, p.pipeline, dp, p.ulysses,
+                            p.sequence_parallel and p.tensor > 1, shard)
 
     def global_batch(self, cfg: Config) -> int:
         return cfg.training.global_batch_size or cfg.training.micro_batch_size * self.data
@@ -73,9 +144,82 @@ class ParallelDims:
         return self.global_batch(cfg) // (cfg.training.micro_batch_size * self.data)
 
 
+class ModelParallelUnit:
+    """The ``mpu`` interface DeepSpeed's engine queries (Megatron's names). Used without
+    pipeline parallelism; the pipeline engine builds its own from the same rank order."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
+
+    def _size(self, name: str) -> int:
+        return {"ulysses_data": self.dims.data * self.dims.ulysses}.get(name) or self.dims.size(name)
+
+    def _rank(self, name: str) -> int:
+        d = self.dims
+        if name == "ulysses_data":
+            return d.dp_rank * d.ulysses + d.sp_rank
+        return d.coordinate(name)
+
+    def _group(self, name: str):
+        return self.dims.group(name) if self.dims.world_size > 1 else dist.group.WORLD
+
+    # tensor (= model) parallel
+    def get_model_parallel_group(self):
+        return self._group("tensor")
+
+    def get_model_parallel_rank(self) -> int:
+        return self._rank("tensor")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._size("tensor")
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.dims.rank - self.dims.tp_rank
+
+    # data parallel
+    def get_data_parallel_group(self):
+        return self._group("data")
+
+    def get_data_parallel_rank(self) -> int:
+        return self._rank("data")
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._size("data")
+
+    # Ulysses sequence parallel, and the ranks that average gradients (data × sequence)
+    def get_sequence_parallel_group(self):
+        return self._group("ulysses")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._rank("ulysses")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._size("ulysses")
+
+    def get_sequence_data_parallel_group(self):
+        return self._group("ulysses_data")
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._rank("ulysses_data")
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._size("ulysses_data")
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
 def init_distributed(cfg: Config, env: LaunchEnv):
-    """Start the process group and pick this rank's device. Returns (ParallelDims, accelerator)."""
-    dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank)
+    """Start the process group, create the parallel groups and pick this rank's device.
+    Returns (ParallelDims, accelerator)."""
+    dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
     acc = devmod.select_accelerator(cfg.training.device)
     for key, value in {"RANK": env.rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": env.world_size,
                        "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}.items():
@@ -87,6 +231,7 @@ def init_distributed(cfg: Config, env: LaunchEnv):
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
                                    auto_mpi_discovery=False, verbose=False)
+    dims.create_groups()
     return dims, acc
 
 

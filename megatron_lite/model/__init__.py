@@ -13,24 +13,27 @@ from megatron_lite.model.transformer import Transformer
 
 
 def padded_vocab_size(vocab: int, multiple: int) -> int:
-    """Vocabulary rounded up to ``multiple`` (Megatron pads for efficient matmul shapes)."""
+    """Vocabulary rounded up to ``multiple`` (Megatron pads for efficient matmul shapes, and to
+    ``multiple × tensor`` so every tensor-parallel rank holds an equal slice)."""
     return multiple * math.ceil(vocab / multiple)
 
 
-def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int) -> ModelConfig:
+def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int,
+                  tensor_parallel: int = 1) -> ModelConfig:
     """Fill the fields a recipe may leave to the data: vocab size (padded) and maximum length."""
     vocab = cfg.vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
             raise ValueError("'model.vocab_size' is null and no tokenizer gives one")
-        vocab = padded_vocab_size(tokenizer_vocab, cfg.vocab_multiple)
+        vocab = padded_vocab_size(tokenizer_vocab, cfg.vocab_multiple * tensor_parallel)
     return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_length)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
-    """The plain model with its parameters initialised on ``device`` (``meta`` allocates none)."""
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """The plain model with its parameters initialised on ``device`` from ``seed`` (``meta``
+    allocates none)."""
     with torch.device(device):
-        return Transformer(cfg)
+        return Transformer(cfg, seed)
 
 
 __all__ = [

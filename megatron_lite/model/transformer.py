@@ -10,6 +10,7 @@ biases; tied embeddings; grouped-query attention (``n_kv_heads < n_heads``).
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,25 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.loss import linear_cross_entropy
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """The initial value of the parameter called ``name`` (its name in ``Transformer``).
+
+    GPT-2/Megatron init: N(0, init_std) for weights, the output projections of the residual
+    branches N(0, init_std/sqrt(2·n_layers)) so the residual stream's variance does not grow with
+    depth, norms 1, biases 0. Drawn from a generator seeded by (seed, name) alone.
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device)
+    if "norm." in name:
+        return torch.ones(shape, device=device)
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -63,6 +83,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class CausalAttention(nn.Module):
+    """Causal scaled-dot-product attention of (B, T, H, hd) queries over (B, T, Hkv, hd) keys
+    and values, RoPE applied first. A module of its own so that sequence parallelism can wrap
+    it (the all-to-all of DeepSpeed-Ulysses goes around exactly this)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if rope is not None:
+            T = q.size(2)
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.size(1) != q.size(1),
+        )  # (B, H, T, hd)
+        return y.transpose(1, 2)  # (B, T, H, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -74,23 +117,17 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.core = CausalAttention(cfg.dropout)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
-        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·hd)
-        return self.o_proj(y)
+        # Head counts are read off the projections: tensor parallelism gives each rank a slice.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        y = self.core(q, k, v, rope)  # (B, T, H, hd)
+        return self.o_proj(y.reshape(B, T, -1))  # (B, T, D)
 
 
 class MLP(nn.Module):
@@ -123,10 +160,24 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+class LMHead(nn.Module):
+    """Output layer: (B, T, D) hidden states -> (B, T, V) logits, or with targets the mean
+    next-token loss, fused with the output matmul so the full logits never exist."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return F.linear(x, self.weight)  # (B, T, V)
+        return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.weight, targets.reshape(-1))
+
+
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V), or the mean next-token loss when targets are given."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         if cfg.vocab_size is None or cfg.max_seq_len is None:
             raise ValueError("ModelConfig needs vocab_size and max_seq_len resolved (see resolve_model)")
@@ -136,7 +187,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.position == "rope":
@@ -146,26 +197,19 @@ class Transformer(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
         self.activation_checkpointing = cfg.activation_checkpointing
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2/Megatron init: N(0, std) everywhere, output projections of the residual branches
-        N(0, std/sqrt(2·n_layers)) so the residual stream's variance does not grow with depth."""
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        scaled = std / math.sqrt(2 * self.cfg.n_layers)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.o_proj.weight, mean=0.0, std=scaled)
-            nn.init.normal_(block.mlp.down_proj.weight, mean=0.0, std=scaled)
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Every parameter from its own name and ``seed`` (``initial_value``), so that a model
+        split over ranks or pipeline stages starts from exactly the same weights."""
+        for name, param in self.named_parameters():
+            if param.device.type != "meta":
+                param.copy_(initial_value(self.cfg, name, param.shape, seed, param.device))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
         if self.rope_cos is not None and self.rope_cos.device.type != "meta":
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
                                    self.cfg.rope_theta)
@@ -173,10 +217,9 @@ class Transformer(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        B, T = tokens.shape
         x = self.tok_emb(tokens)  # (B, T, D)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=tokens.device))
+            x = x + self.pos_emb(torch.arange(tokens.size(1), device=tokens.device))
         x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
         for block in self.blocks:
@@ -185,7 +228,4 @@ class Transformer(nn.Module):
             else:
                 x = block(x, rope)
         x = self.norm(x)  # (B, T, D)
-        if targets is None:
-            return self.lm_head(x)  # (B, T, V)
-        # Output layer and loss fused, chunk by chunk: never the full (B·T, V) logits.
-        return linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        return self.lm_head(x, targets)  # (B, T, V) logits, or the mean loss

@@ -24,10 +24,16 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def zero_stage(cfg: Config) -> int:
+    """The ZeRO stage DeepSpeed runs: HSDP is ZeRO-3."""
+    return 3 if cfg.parallel.hsdp else cfg.parallel.zero_stage
+
+
 def trainer_clips_gradients(cfg: Config) -> bool:
     """True where DeepSpeed's plain-optimizer path (ZeRO 0, fp32) would clip but discard the
-    norm; there the trainer clips itself so the norm can be logged (and spikes tracked)."""
-    return cfg.parallel.zero_stage == 0 and cfg.training.precision == "fp32"
+    norm; there the trainer clips itself so the norm can be logged (and spikes tracked). Not
+    under pipelining, where DeepSpeed's engine owns the whole step."""
+    return zero_stage(cfg) == 0 and cfg.training.precision == "fp32" and cfg.parallel.pipeline == 1
 
 
 def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
@@ -38,13 +44,17 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": dims.grad_accumulation(cfg),
         "gradient_clipping": 0.0 if trainer_clips_gradients(cfg) else cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": {"stage": zero_stage(cfg)},
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+    if dims.hsdp_shard_size:
+        # ZeRO++ hierarchical partitioning: a second copy of the parameters, sharded within each
+        # group of hsdp_shard_size ranks, serves the backward all-gathers inside the group.
+        generated["zero_optimization"]["zero_hpz_partition_size"] = dims.hsdp_shard_size
     return deep_merge(generated, dict(cfg.deepspeed))
 
 
@@ -57,7 +67,31 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     peak = cfg.optimizer.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg.optimizer, cfg.schedule, total_iters) / peak)
+    # The pipeline engine takes its process groups from the PipelineModule's own topology
+    # (built in the same rank order as ours); otherwise DeepSpeed gets our groups as its mpu.
+    mpu = None if dims.pipeline > 1 else dims.mpu()
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
         config=deepspeed_config(cfg, dims), dist_init_required=False)
+    if dims.pipeline > 1 and zero_stage(cfg) == 0:
+        _keep_clipped_norm(engine)
     return engine
+
+
+def _keep_clipped_norm(engine) -> None:
+    """DeepSpeed's pipeline engine without ZeRO clips fp32 gradients but discards the norm; the
+    same clipping call, keeping the norm for logging (``get_global_grad_norm``), and counting a
+    weight tied across stages once, as DeepSpeed's ZeRO path does."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        params = list(engine.module.parameters())
+        once = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        norm = clip_grad_norm_(parameters=once, max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        coef = min(engine.gradient_clipping() / (float(norm) + 1e-6), 1.0)
+        for p in params:
+            if getattr(p, "ds_pipe_replicated", False) and p.grad is not None:
+                p.grad.mul_(coef)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip

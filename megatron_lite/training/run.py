@@ -17,6 +17,8 @@ from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.parallel_dims import on_every_rank, on_one_rank_then_all
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
+from megatron_lite.parallel import build_parallel_model
+from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.engine import build_engine, deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
 
@@ -44,7 +46,7 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
             raise FileNotFoundError(
                 f"the vocabulary size comes from the tokenizer '{tok.model}', which does not exist "
                 "yet: build it, or set model.vocab_size=N") from None
-    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length)
+    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, cfg.parallel.tensor)
     params = count_parameters(build_model(model_cfg, "meta"))
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
 
@@ -66,24 +68,26 @@ def run(cfg: Config) -> RunResult:
                          per_node=not cfg.data.cache_shared)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False))
-    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length)
+    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                          f"{data.tokenizer.vocab_size}")
 
-    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
-    model = build_model(model_cfg, acc.current_device_name())
-    torch.manual_seed(cfg.training.seed + 1 + dims.dp_rank)  # dropout differs across replicas
+    torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
+    model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
+                                 cfg.parallel.pipeline_partition)
     engine = build_engine(model, cfg, dims, iters, acc.device_name())
 
     run_dir = Path(cfg.logging.dir)
     fpt = flops_per_token(model_cfg, cfg.data.seq_length)
     runtime = {
         "world_size": dims.world_size, "data_parallel": dims.data, "tensor_parallel": dims.tensor,
-        "pipeline_parallel": dims.pipeline, "global_batch_size": dims.global_batch(cfg),
+        "pipeline_parallel": dims.pipeline, "ulysses": dims.ulysses,
+        "sequence_parallel": dims.sequence_parallel, "hsdp_shard_size": dims.hsdp_shard_size,
+        "global_batch_size": dims.global_batch(cfg),
         "grad_accumulation": dims.grad_accumulation(cfg), "iters": iters,
         "vocab_size": model_cfg.vocab_size, "tokenizer_vocab_size": data.tokenizer.vocab_size,
-        "parameters": count_parameters(model), "flops_per_token": fpt,
+        "parameters": count_parameters(build_model(model_cfg, "meta")), "flops_per_token": fpt,
         "device": acc.device_name(), "deepspeed_config": deepspeed_config(cfg, dims),
     }
     if dims.is_main:
@@ -91,7 +95,8 @@ def run(cfg: Config) -> RunResult:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "runtime.json").write_text(json.dumps(runtime, indent=2))
     log(f"model: {runtime['parameters']:,} parameters, {fpt / 1e9:.3f} GFLOPs/token | "
-        f"world {dims.world_size} (dp {dims.data}) | global batch {runtime['global_batch_size']} "
+        f"world {dims.world_size} (dp {dims.data}, tp {dims.tensor}, pp {dims.pipeline}, "
+        f"ulysses {dims.ulysses}) | global batch {runtime['global_batch_size']} "
         f"(micro {cfg.training.micro_batch_size} × accum {runtime['grad_accumulation']}) | "
         f"{iters} iters | device {acc.device_name()}")
 

@@ -20,8 +20,8 @@ from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean
 from megatron_lite.logging import MetricsLogger, console_line
-from megatron_lite.training.engine import trainer_clips_gradients
 from megatron_lite.training.generate import sample
+from megatron_lite.training.step import StepRunner
 
 
 @dataclass
@@ -51,8 +51,7 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.data.seq_length
         self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
         self.state = TrainState()
-        self.own_clipping = trainer_clips_gradients(cfg)
-        self.grad_norm: torch.Tensor | None = None
+        self.steps = StepRunner(cfg, dims, engine, self.grad_accum)
 
     # ---- checkpoints (DeepSpeed's format; the checkpoint issue replaces this) ----
     def maybe_resume(self) -> None:
@@ -83,10 +82,9 @@ class Trainer:
         self.engine.eval()
         batches = self._batches(self.data.valid, 0, len(self.data.valid), workers=False)
         total = torch.zeros((), device=self.device)
-        n = self.cfg.training.eval_iters * self.grad_accum
+        n = self.cfg.training.eval_iters
         for _ in range(n):
-            batch = next(batches).to(self.device)
-            total += self.engine(batch[:, :-1], batch[:, 1:]).float()
+            total += self.steps.eval_loss(batches, self.device)
         self.engine.train()
         return all_reduce_mean(total / n).item()
 
@@ -94,6 +92,9 @@ class Trainer:
         t = self.cfg.training
         if not t.sample_prompt or t.sample_tokens <= 0:
             return None
+        p = self.cfg.parallel
+        if p.pipeline > 1 or p.ulysses > 1 or (p.sequence_parallel and p.tensor > 1):
+            return None  # generation runs whole prompts through one model replica
         tok = self.data.tokenizer
         model = self.engine.module
         was_training = model.training
@@ -151,24 +152,12 @@ class Trainer:
         return result
 
     def train_step(self, batches) -> torch.Tensor:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the summed micro-batch
-        losses as a device tensor (no host sync)."""
-        engine = self.engine
-        loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.grad_accum):
-            batch = next(batches).to(self.device, non_blocking=True)
-            loss = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(loss)
-            if self.own_clipping and micro == self.grad_accum - 1:
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(
-                    engine.module.parameters(), self.cfg.optimizer.grad_clip or math.inf)
-            engine.step()
-            loss_sum += loss.detach().float()
-        return loss_sum
+        """One optimizer step; returns the summed micro-batch losses as a device tensor."""
+        return self.steps.train_step(batches, self.device)
 
     def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
         loss = all_reduce_mean(mean_loss).item()
-        gnorm = self.grad_norm if self.own_clipping else self.engine.get_global_grad_norm()
+        gnorm = self.steps.grad_norm
         tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
         per_device = tokens_per_sec / self.dims.world_size
         tflops = per_device * self.flops_per_token / 1e12

@@ -17,7 +17,7 @@ def test_two_process_data_parallel_matches_single_process(tmp_path):
     # data-loader worker process (which must not change the batches either).
     check(run_pretrain([*common, f"logging.dir={tmp_path}/one"]))
     proc = check(run_pretrain([*common, f"logging.dir={tmp_path}/two", "data.num_workers=1"], nproc=2))
-    assert "world 2 (dp 2)" in proc.stdout
+    assert "world 2 (dp 2, tp 1" in proc.stdout
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=0, atol=1e-5)

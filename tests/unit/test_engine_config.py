@@ -27,14 +27,15 @@ def test_generated_deepspeed_config_and_passthrough():
 
 
 def test_layout_problems_are_reported_together():
-    cfg = load_config(RECIPE, ["training.global_batch_size=12", "parallel.tensor=3"])
+    cfg = load_config(RECIPE, ["training.global_batch_size=12", "parallel.tensor=2",
+                               "model.vocab_size=65"])
     try:
-        ParallelDims.plan(cfg, world_size=4)
+        ParallelDims.plan(cfg, world_size=6)  # dp 3: 12 is not a multiple of 12 × 3
     except ValueError as e:
         text = str(e)
     else:
         raise AssertionError("expected a layout error")
-    assert "not divisible by parallel.tensor" in text and "n_heads=4" in text
+    assert "global_batch_size=12 is not a multiple" in text and "vocab_size=65" in text
 
 
 def test_no_weight_decay_on_norms_and_biases():

@@ -1,0 +1,183 @@
+"""The parallelize step: turns the plain model (built on the meta device) into this rank's part.
+
+Order of a build (``build_parallel_model``):
+1. the plain ``Transformer`` is built on ``meta`` (no memory) and every parameter is tagged with
+   its name in the plain model (``ml_name``);
+2. ``parallelize`` swaps in tensor-parallel slices, sequence-parallel communication and the
+   Ulysses attention; every swapped parameter records which slice of which plain one it is;
+3. with pipeline parallelism, ``pipeline.build_pipeline`` keeps only this stage's layers;
+4. ``materialize`` allocates the parameters on the device and fills each from
+   ``initial_value(name)`` (sliced where it is a slice): every layout starts from exactly the
+   weights of the single-process model, and no rank ever holds the whole model.
+At size 1 every step leaves the layer as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.model.transformer import Block, Transformer, initial_value
+from megatron_lite.parallel import comm
+from megatron_lite.parallel.random import TensorParallelRNG
+from megatron_lite.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRegion,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    slice_of,
+)
+from megatron_lite.parallel.ulysses import OffsetPositions, SequenceMeanLoss, UlyssesAttention
+
+
+def tag_names(module: nn.Module, prefix: str = "") -> None:
+    for name, param in module.named_parameters():
+        param.ml_name = prefix + name
+
+
+class ScatterSequence(nn.Module):
+    """Keeps this tensor rank's slice of the sequence (entering the sequence-parallel region)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.scatter_sequence(x, self.group)
+
+
+def _sum_grads_over_tensor_ranks(module: nn.Module, dims: ParallelDims) -> None:
+    for param in module.parameters():
+        comm.sum_gradient_over(param, dims.group("tensor"))
+
+
+def parallelize_block(block: Block, dims: ParallelDims) -> None:
+    if dims.tensor > 1:
+        group, rank, size, sp = dims.group("tensor"), dims.tp_rank, dims.tensor, dims.sequence_parallel
+        attn, mlp = block.attn, block.mlp
+        # Whole heads per rank; with GQA each rank's query heads share its key/value heads.
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), rank, size))
+        attn.o_proj = RowParallelLinear(attn.o_proj, rank, size)
+        if attn.core.dropout > 0:
+            attn.core = TensorParallelRNG(attn.core, rank)
+        # SwiGLU: gate and up are split alike, so each rank's silu(gate)·up pairs match.
+        for name in ("gate_proj", "up_proj"):
+            if getattr(mlp, name) is not None:
+                setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), rank, size))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, size)
+        block.attn = TensorParallelRegion(attn, "o_proj", group, sp)
+        block.mlp = TensorParallelRegion(mlp, "down_proj", group, sp)
+        if sp:
+            # Norms and the row-parallel biases see a slice of the sequence on each rank.
+            for module in (block.attn_norm, block.mlp_norm):
+                _sum_grads_over_tensor_ranks(module, dims)
+            for bias in (attn.o_proj.bias, mlp.down_proj.bias):
+                if bias is not None:
+                    comm.sum_gradient_over(bias, group)
+    if dims.ulysses > 1:
+        block.attn.core = UlyssesAttention(block.attn.core, dims.group("ulysses"))
+
+
+def parallelize_embedding(owner: nn.Module, dims: ParallelDims) -> None:
+    """``owner`` holds ``tok_emb``, ``pos_emb`` and ``drop`` (the model, or the first stage)."""
+    if dims.tensor > 1:
+        owner.tok_emb = VocabParallelEmbedding(owner.tok_emb, dims.tp_rank, dims.tensor,
+                                               dims.group("tensor"))
+        if dims.sequence_parallel:
+            # Dropout after the scatter: each rank drops on its own slice.
+            owner.drop = nn.Sequential(ScatterSequence(dims.group("tensor")), owner.drop)
+    if dims.ulysses > 1 and owner.pos_emb is not None:
+        owner.pos_emb = OffsetPositions(owner.pos_emb, dims.sp_rank)
+
+
+def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Parameter | None) -> None:
+    """``owner`` holds ``norm`` and ``lm_head``; ``tied_weight`` is the (sliced) embedding when
+    the model ties them."""
+    if dims.tensor > 1:
+        weight = tied_weight
+        if weight is None:
+            weight = slice_of(owner.lm_head.weight, 0, dims.tp_rank, dims.tensor)
+        owner.lm_head = VocabParallelLMHead(weight, dims.tp_rank, dims.group("tensor"),
+                                            dims.sequence_parallel)
+        if dims.sequence_parallel:
+            _sum_grads_over_tensor_ranks(owner.norm, dims)
+    if dims.ulysses > 1:
+        owner.lm_head = SequenceMeanLoss(owner.lm_head, dims.group("ulysses"), dims.ulysses)
+
+
+def parallelize(model: Transformer, dims: ParallelDims) -> Transformer:
+    """Apply tensor, Megatron-sequence and Ulysses parallelism to a tagged meta model in place."""
+    for block in model.blocks:
+        parallelize_block(block, dims)
+    parallelize_embedding(model, dims)
+    parallelize_head(model, dims, model.tok_emb.weight if model.cfg.tie_embeddings else None)
+    return model
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str, seed: int) -> nn.Module:
+    """Replace ``module``'s meta parameters by ones on ``device``, each filled with its slice of
+    the plain model's initial value. (``Module.to_empty`` would make a tied weight two
+    parameters and drop the attributes set by ``parallelize``.)"""
+    done: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for key, old in sub._parameters.items():
+            if old is None:
+                continue
+            if id(old) not in done:
+                new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device),
+                                   requires_grad=old.requires_grad)
+                new.__dict__.update(old.__dict__)
+                full = initial_value(cfg, new.ml_name, getattr(new, "ml_full_shape", new.shape), seed,
+                                     device)
+                if hasattr(new, "ml_shard"):
+                    dim, rank, size = new.ml_shard
+                    full = full.chunk(size, dim)[rank]
+                new.copy_(full)
+                comm.register_gradient_sum(new)
+                done[id(old)] = new
+            sub._parameters[key] = done[id(old)]
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.device.type == "meta":
+                sub._buffers[key] = torch.empty_like(buf, device=device)
+    for sub in module.modules():
+        if hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()
+    return module
+
+
+def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
+                         partition: str = "parameters") -> nn.Module:
+    """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
+    ``PipelineModule`` holding this stage's layers."""
+    if dims.pipeline > 1:
+        from megatron_lite.parallel.pipeline import build_pipeline
+
+        return build_pipeline(cfg, dims, device, seed, partition)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tag_names(model)
+    parallelize(model, dims)
+    return materialize(model, cfg, device, seed)
+
+
+def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:
+    """This rank's parameters by plain-model name, each with its slice (dim, rank, size) or None."""
+    return {p.ml_name: (p.detach().cpu().clone(), getattr(p, "ml_shard", None))
+            for p in module.parameters()}
+
+
+def assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """The plain model's parameters from every rank's ``local_shards`` (replicas must agree)."""
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int] = {}
+    for part in parts:
+        for name, (tensor, shard) in part.items():
+            dim, rank, _ = shard if shard is not None else (0, 0, 1)
+            dims[name] = dim
+            slices.setdefault(name, {})[rank] = tensor
+    return {name: torch.cat([s[r] for r in sorted(s)], dim=dims[name]) for name, s in slices.items()}

@@ -1,0 +1,51 @@
+"""DeepSpeed-Ulysses sequence parallelism: every rank holds 1/N of each sequence; attention
+is computed on 1/N of the heads over the whole sequence after an all-to-all
+(``deepspeed.sequence.layer.DistributedAttention``) and the result is sent back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.parallel import comm
+
+
+class UlyssesAttention(nn.Module):
+    """Wraps ``CausalAttention``: (B, T/N, H, hd) in and out, full-sequence attention inside."""
+
+    def __init__(self, core: nn.Module, group):
+        super().__init__()
+        from deepspeed.sequence.layer import DistributedAttention
+
+        # scatter the heads (dim 2), gather the sequence (dim 1); batch first.
+        self.dist_attn = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
+
+    def forward(self, q, k, v, rope):
+        return self.dist_attn(q, k, v, 0, None, rope)
+
+
+class OffsetPositions(nn.Module):
+    """Learned position embedding of a sequence slice: positions start at rank × slice length."""
+
+    def __init__(self, emb: nn.Embedding, rank: int):
+        super().__init__()
+        self.emb, self.rank = emb, rank
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.emb(positions + self.rank * positions.numel())
+
+
+class SequenceMeanLoss(nn.Module):
+    """The loss over the whole sequence from each rank's slice: the mean of the slices' mean
+    losses (equal slices), summed forward, passed through unchanged backward - each rank's
+    gradients are its slice's share, which DeepSpeed sums over the sequence ranks."""
+
+    def __init__(self, head: nn.Module, group, size: int):
+        super().__init__()
+        self.head, self.group, self.size = head, group, size
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.head(x, targets)
+        if targets is None:
+            return out
+        return comm.exit_region(out, self.group, False) / self.size
