@@ -28,7 +28,7 @@ from megatron_lite.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
 class _Stage(nn.Module):
-    def _finish(self, cfg: ModelConfig, prefix: str, dims: ParallelDims, device, seed: int) -> None:
+    def _finish(self, cfg: ModelConfig, dims: ParallelDims, device, seed: int) -> None:
         materialize(self, cfg, device, seed)
         if dims.tp_rank == 0:
             # DeepSpeed's gradient norm counts a parameter that is not tensor-parallel only on
@@ -39,16 +39,20 @@ class _Stage(nn.Module):
 
 
 class EmbeddingStage(_Stage):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, device, seed: int):
+    """Token (and learned position) embeddings; on the last stage, with ``positions=False``,
+    the copy of the token embedding that the tied output layer uses."""
+
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, device, seed: int, positions: bool = True):
         super().__init__()
         with torch.device("meta"):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+            learned = positions and cfg.position == "learned"
+            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned else None
         self.drop = nn.Dropout(cfg.dropout)
         tag_names(self)
         parallelize_embedding(self, dims)
         self.dims = dims
-        self._finish(cfg, "", dims, device, seed)
+        self._finish(cfg, dims, device, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)  # (B, T, D)
@@ -74,7 +78,7 @@ class BlockStage(_Stage):
         parallelize_block(self.block, dims)
         self.checkpointing = cfg.activation_checkpointing
         self.cfg = cfg
-        self._finish(cfg, "", dims, device, seed)
+        self._finish(cfg, dims, device, seed)
 
     def reset_buffers(self) -> None:
         if self.cfg.position == "rope":
@@ -105,7 +109,7 @@ class HeadStage(_Stage):
             parallelize_head(self, dims, None)
         elif dims.sequence_parallel:
             parallelize_head_norm_only(self, dims)
-        self._finish(cfg, "", dims, device, seed)
+        self._finish(cfg, dims, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -154,7 +158,7 @@ def build_pipeline(cfg: ModelConfig, dims: ParallelDims, device, seed: int, part
     layers = [first, *(LayerSpec(BlockStage, cfg, i, dims, device, seed) for i in range(cfg.n_layers)),
               LayerSpec(HeadStage, cfg, dims, device, seed)]
     if cfg.tie_embeddings:
-        layers.append(TiedLayerSpec("embed", EmbeddingStage, cfg, dims, device, seed,
+        layers.append(TiedLayerSpec("embed", EmbeddingStage, cfg, dims, device, seed, False,
                                     forward_fn=lambda module, x: module.logits(x),
                                     tied_weight_attr="weight"))
     topology = PipeModelDataParallelTopology(num_pp=dims.pipeline, num_mp=dims.tensor, num_dp=dims.data)

@@ -1,0 +1,83 @@
+"""Trains a small GPT and a small Llama for a few steps under the layout given by the
+overrides, on fixed random tokens; writes this rank's losses, gradient norms and parameter
+slices (by plain-model name) to OUT/rank{R}.pt. Run by test_layouts.py, one process or many.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/layout_worker.py OUT \
+        parallel.tensor=2
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_lite.config import load_config
+from megatron_lite.data.gpt_dataset import GlobalBatchSampler
+from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.distributed.parallel_dims import all_reduce_mean
+from megatron_lite.model import resolve_model
+from megatron_lite.parallel import build_parallel_model, local_shards
+from megatron_lite.parallel.random import rank_seed
+from megatron_lite.training.engine import build_engine, zero_stage
+from megatron_lite.training.step import StepRunner
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 5
+COMMON = ["model.n_layers=4", "model.n_heads=4", "model.d_model=64", "model.vocab_size=96",
+          "data.seq_length=32", "training.micro_batch_size=2", "training.global_batch_size=8",
+          "training.iters=5", "schedule.warmup_iters=0", "optimizer.lr=1e-3", "optimizer.grad_clip=0.5",
+          # Adam divides by sqrt(v) + eps: with the default 1e-8, gradients that are sums of
+          # cancelling terms (|g| near eps) turn float rounding into 1e-5 weight differences.
+          "optimizer.eps=1e-6"]
+VARIANTS = {
+    # GPT-2 style: learned positions, LayerNorm, GELU, biases, tied embeddings.
+    "gpt": [],
+    # Llama style: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied, recomputed activations.
+    "llama": ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
+              "model.tie_embeddings=false", "model.n_kv_heads=2", "model.activation_checkpointing=true"],
+}
+
+
+def train(overrides: list[str]) -> dict:
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
+    dims, acc = init_distributed(cfg, detect())
+    device = torch.device(acc.current_device_name())
+    model_cfg = resolve_model(cfg.model, None, cfg.data.seq_length, dims.tensor)
+    torch.manual_seed(rank_seed(cfg.training.seed, dims))
+    model = build_parallel_model(model_cfg, dims, device, cfg.training.seed, cfg.parallel.pipeline_partition)
+    engine = build_engine(model, cfg, dims, STEPS, acc.device_name())
+    runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
+
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 96, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)
+    sampler = GlobalBatchSampler(0, dims.global_batch(cfg), cfg.training.micro_batch_size,
+                                 dims.dp_rank, dims.data)
+    batches = (data[idx] for idx in sampler)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = runner.train_step(batches, device) / runner.grad_accum
+        losses.append(all_reduce_mean(loss).item())
+        norms.append(float(runner.grad_norm) if runner.grad_norm is not None else None)
+    params = list(engine.module.parameters())
+    if zero_stage(cfg) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            shards = local_shards(engine.module)
+    else:
+        shards = local_shards(engine.module)
+    return {"losses": losses, "grad_norms": norms, "shards": shards}
+
+
+def main() -> None:
+    out, overrides = Path(sys.argv[1]), sys.argv[2:]
+    results = {name: train([*COMMON, *extra, *overrides]) for name, extra in VARIANTS.items()}
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Every parallel layout trains exactly like one plain process (acceptance of the parallelism
+work): the same per-step losses (relative 1e-5) and, gathered from all ranks, the same
+parameters after the steps (1e-5), for a GPT-style and a Llama-style model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, _free_port, cpu_env
+
+WORKER = REPO / "tests/distributed/layout_worker.py"
+
+LAYOUTS = {
+    "tp2": (2, ["parallel.tensor=2"]),
+    "tp2-megatron-sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "ulysses2": (2, ["parallel.ulysses=2"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "pp2-zero1": (2, ["parallel.pipeline=2", "parallel.zero_stage=1",
+                      "parallel.pipeline_partition=type:Block"]),
+    "tp2xpp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
+    "dp2-zero1": (2, ["parallel.zero_stage=1"]),
+    "dp2-zero2": (2, ["parallel.zero_stage=2"]),
+    "dp2-zero3": (2, ["parallel.zero_stage=3"]),
+    "hsdp-2x2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]),
+}
+
+
+def run_worker(out, nproc: int, overrides: list[str]) -> list[dict]:
+    if nproc == 1:
+        cmd = [sys.executable, str(WORKER), str(out), *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), str(WORKER), str(out), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def gathered(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """Full parameters from every rank's slices; replicas of one slice must agree."""
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int] = {}
+    for part in parts:
+        for name, (tensor, shard) in part.items():
+            dim, rank, _ = shard if shard is not None else (0, 0, 1)
+            seen = slices.setdefault(name, {})
+            if rank in seen:
+                torch.testing.assert_close(tensor, seen[rank], rtol=0, atol=1e-6, msg=f"replicas of {name}")
+            seen[rank] = tensor
+            dims[name] = dim
+    return {name: torch.cat([s[r] for r in sorted(s)], dim=dims[name]) for name, s in slices.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("layout-ref"), 1, [])[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(tmp_path, reference, layout):
+    nproc, overrides = LAYOUTS[layout]
+    ranks = run_worker(tmp_path, nproc, overrides)
+    for variant, ref in reference.items():
+        for rank in ranks:
+            got = rank[variant]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                                       rtol=1e-5, atol=0, msg=f"{variant} losses")
+            torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                                       rtol=1e-5, atol=0, msg=f"{variant} gradient norms")
+        params = gathered([rank[variant]["shards"] for rank in ranks])
+        expected = {name: t for name, (t, _) in ref["shards"].items()}
+        assert params.keys() == expected.keys(), variant
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=f"{variant} {name}")
+        # The run must have moved the weights, or equality would prove little.
+        assert not torch.allclose(expected["blocks.0.attn.q_proj.weight"],
+                                  initial(variant, "blocks.0.attn.q_proj.weight"))
+
+
+def initial(variant: str, name: str) -> torch.Tensor:
+    from megatron_lite.config import load_config
+    from megatron_lite.model import build_model, resolve_model
+    from tests.distributed.layout_worker import COMMON, VARIANTS
+
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [*COMMON, *VARIANTS[variant]])
+    model = build_model(resolve_model(cfg.model, None, cfg.data.seq_length), "cpu", cfg.training.seed)
+    return dict(model.named_parameters())[name].detach()
