@@ -1,0 +1,94 @@
+"""The parallel layout: rank order, groups, seeds, and layouts refused before launch."""
+
+import pytest
+import torch
+
+from megatron_lite.config import load_config
+from megatron_lite.config.load import ConfigError
+from megatron_lite.distributed import ParallelDims, TopologyError
+from megatron_lite.parallel.random import TensorParallelRNG, rank_seed
+from tests.conftest import REPO
+
+RECIPE = REPO / "recipes/shakespeare-char.yaml"
+
+
+def _dims(world, overrides=()):
+    cfg = load_config(RECIPE, ["training.micro_batch_size=2", "training.global_batch_size=16", *overrides])
+    return [ParallelDims.plan(cfg, world, rank=r, local_world_size=4) for r in range(world)]
+
+
+def test_groups_follow_megatron_and_deepspeed_rank_order():
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dims = _dims(8, ["parallel.tensor=2", "parallel.pipeline=2"])[0]
+    assert dims.data == 2
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    for ours, theirs in [("tensor", "model"), ("data", "data"), ("pipeline", "pipe")]:
+        assert sorted(dims.group_ranks((ours,))) == sorted(topo.get_axis_comm_lists(theirs))
+    # Tensor-parallel ranks are neighbours, so they share a node.
+    assert dims.group_ranks(("tensor",))[0] == [0, 1]
+
+
+def test_coordinates_and_ulysses_groups():
+    dims = _dims(8, ["parallel.ulysses=2"])
+    assert [d.sp_rank for d in dims] == [0, 1] * 4
+    assert [d.dp_rank for d in dims] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims[0].group_ranks(("ulysses", "data")) == [list(range(8))]
+    mpu = dims[3].mpu()
+    assert (mpu.get_sequence_parallel_rank(), mpu.get_sequence_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(), mpu.get_sequence_data_parallel_world_size()) == (1, 3, 4, 8)
+
+
+def test_hsdp_shard_size_defaults_to_the_node():
+    dims = _dims(8, ["parallel.hsdp=true"])[0]
+    assert dims.hsdp_shard_size == 4
+
+
+def test_dropout_streams():
+    tp = _dims(4, ["parallel.tensor=2"])
+    # Outside the parallel regions tensor ranks hold the same activations: same stream.
+    assert rank_seed(1, tp[0]) == rank_seed(1, tp[1]) != rank_seed(1, tp[2])
+    sp = _dims(4, ["parallel.tensor=2", "parallel.sequence_parallel=true"])
+    # With sequence parallelism each tensor rank holds its own tokens: different streams.
+    assert len({rank_seed(1, d) for d in sp}) == 4
+
+
+def test_attention_dropout_differs_per_tensor_rank_and_replays():
+    drop = torch.nn.Dropout(0.5)
+    x = torch.ones(64)
+
+    def mask(tp_rank):
+        torch.manual_seed(0)  # the default stream, identical on tensor ranks
+        return TensorParallelRNG(drop, tp_rank)(x)
+
+    assert torch.equal(mask(0), mask(0))  # replayable (activation recomputation)
+    assert not torch.equal(mask(0), mask(1))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.tensor=3"], "divisible by 'parallel.tensor' = 3"),
+    (["parallel.pipeline=2", "parallel.zero_stage=2"], "set parallel.zero_stage=1"),
+    (["parallel.pipeline=2", "parallel.zero_stage=3"], "ZeRO stages 0 and 1 only"),
+    (["parallel.sequence_parallel=true"], "needs 'parallel.tensor' > 1"),
+    (["parallel.ulysses=2", "parallel.tensor=2"], "cannot be combined"),
+    (["parallel.ulysses=3"], "'data.seq_length' = 64 must be divisible by 'parallel.ulysses' = 3"),
+    (["parallel.pipeline=8"], "need at least as many layers"),
+    (["parallel.hsdp=true", "parallel.zero_stage=1"], "set parallel.zero_stage=3"),
+    (["parallel.hsdp_shard_size=0"], "must be at least 1"),
+])
+def test_impossible_layouts_fail_at_load_naming_the_fix(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPE, overrides)
+    assert expected in str(err.value)
+
+
+def test_layouts_that_do_not_fit_the_world_fail_together():
+    cfg = load_config(RECIPE, ["parallel.tensor=2", "parallel.hsdp=true", "parallel.hsdp_shard_size=4",
+                               "training.global_batch_size=12"])
+    with pytest.raises(TopologyError) as err:
+        ParallelDims.plan(cfg, world_size=6)
+    text = str(err.value)
+    assert "global_batch_size=12 is not a multiple" in text
+    assert "hsdp_shard_size=4 must divide the 3" in text
+    with pytest.raises(TopologyError, match="world size 6 is not divisible"):
+        ParallelDims.plan(load_config(RECIPE, ["parallel.tensor=4"]), world_size=6)
