@@ -89,7 +89,7 @@ class ParallelDims:
         """Collective: one process group per dimension (and the combinations DeepSpeed asks for),
         created on every rank in the same order as ``dist.new_group`` requires."""
         wanted = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
-                  "pipeline": ("pipeline",), "ulysses_data": ("ulysses", "data")}
+                  "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
         for name, axes in wanted.items():
             for ranks in self.group_ranks(axes):
                 group = dist.new_group(ranks) if self.world_size > 1 else None
@@ -152,11 +152,11 @@ class ModelParallelUnit:
         self.dims = dims
 
     def _size(self, name: str) -> int:
-        return {"ulysses_data": self.dims.data * self.dims.ulysses}.get(name) or self.dims.size(name)
+        return {"sequence_data": self.dims.data * self.dims.ulysses}.get(name) or self.dims.size(name)
 
     def _rank(self, name: str) -> int:
         d = self.dims
-        if name == "ulysses_data":
+        if name == "sequence_data":
             return d.dp_rank * d.ulysses + d.sp_rank
         return d.coordinate(name)
 
@@ -201,13 +201,13 @@ class ModelParallelUnit:
         return self._size("ulysses")
 
     def get_sequence_data_parallel_group(self):
-        return self._group("ulysses_data")
+        return self._group("sequence_data")
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self._rank("ulysses_data")
+        return self._rank("sequence_data")
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self._size("ulysses_data")
+        return self._size("sequence_data")
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
