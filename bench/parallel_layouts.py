@@ -200,7 +200,8 @@ def main() -> None:
         return
     base = launch("single", a.steps, a.warmup)
     print(f"single process: {base['step_s'] * 1000:.0f} ms/step ({base['micro_batches']} micro-batches)")
-    print(f"{'layout':<10} {'ranks':>5} {'time/single':>11}  collectives per step (measured | theory): MiB")
+    print(f"{'layout':<10} {'ranks':>5} {'time/single':>11}  collectives per step (measured | theory): "
+          "MiB handed to them")
     for layout in a.layouts:
         r = launch(layout, a.steps, a.warmup)
         theory = theoretical(layout, r["micro_batches"])
