@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args[0], args[1:])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report_once(e)
         return 2
     if "--print-config" in flags:
         print(to_yaml(cfg), end="")
@@ -58,10 +58,21 @@ def main(argv: list[str]) -> int:
 
     try:
         run(cfg)
-    except (TopologyError, FileNotFoundError, ValueError) as e:
+    except TopologyError as e:
+        _report_once(e)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _report_once(error: Exception) -> None:
+    """A recipe or layout error is the same on every rank: print it from the first rank only."""
+    from megatron_lite.distributed import detect
+
+    if detect().rank == 0:
+        print(f"error: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,12 @@ def test_pretrain_layout_matches_single_process(tmp_path, reference, layout):
         new = [r[key] for r in got if key in r]
         assert len(new) == len(ref) > 0, key
         torch.testing.assert_close(torch.tensor(new), torch.tensor(ref), rtol=1e-5, atol=0, msg=key)
+
+
+def test_layout_that_does_not_fit_the_world_fails_at_start_once(tmp_path):
+    proc = run_pretrain([*_args(tmp_path), "parallel.tensor=4", f"logging.dir={tmp_path}/run"], nproc=2,
+                        timeout=180)
+    assert proc.returncode != 0
+    message = "world size 2 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses"
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing was built or written
