@@ -1,2 +1,7 @@
-"""Checkpointing. Saving and resuming currently go through DeepSpeed's own format
-(``Trainer.save`` / ``Trainer.maybe_resume``); the sharded, atomic format lands here."""
+"""Checkpoints: every rank writes its own slice in parallel, rank 0 commits atomically;
+layout-free, so a checkpoint loads into any parallel layout (see ``store`` and ``shards``)."""
+
+from megatron_lite.checkpoint.checkpointer import Checkpointer
+from megatron_lite.checkpoint.store import CheckpointError
+
+__all__ = ["Checkpointer", "CheckpointError"]

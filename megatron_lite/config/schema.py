@@ -203,6 +203,17 @@ class CheckpointConfig:
     """Steps between saves (0: only at the end, when ``dir`` is set)."""
     resume: bool = True
     """Resume from the latest checkpoint in ``dir`` when there is one."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints (0: keep all); older ones are deleted only after a
+    newer one is committed."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    load_fallback: bool = False
+    """When the checkpoint ``latest`` names is corrupt or incomplete (or ``latest`` itself is),
+    resume from the newest valid one instead of stopping with the error."""
+    strict_model: bool = True
+    """Refuse to load a checkpoint written for a different model shape, vocabulary or sequence
+    length (the error lists the differences)."""
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,9 @@ def validate(cfg: Config) -> list[str]:
              f"('schedule.warmup_iters' = {s.warmup_iters})")
 
     problems.extend(_parallel_problems(cfg))
-    need(cfg.checkpoint.save_interval >= 0,
-         f"'checkpoint.save_interval' = {cfg.checkpoint.save_interval} must be 0 or more")
+    for key in ("save_interval", "keep_last", "keep_every"):
+        value = getattr(cfg.checkpoint, key)
+        need(value >= 0, f"'checkpoint.{key}' = {value} must be 0 or more")
     return problems
 
 

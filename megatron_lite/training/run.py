@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data.build import ensure_dataset
@@ -102,7 +103,8 @@ def run(cfg: Config) -> RunResult:
 
     logger = MetricsLogger(cfg, run_dir, dims.is_main, json.loads(json.dumps(runtime)))
     try:
-        trainer = Trainer(cfg, dims, acc, engine, data, logger, iters, fpt, log)
+        checkpointer = Checkpointer(cfg, dims, acc, engine, model_cfg, log) if cfg.checkpoint.dir else None
+        trainer = Trainer(cfg, dims, acc, engine, data, logger, iters, fpt, log, checkpointer)
         trainer.maybe_resume()
         result = trainer.train()
     finally:

@@ -10,10 +10,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.data.source import DataSource
@@ -41,8 +41,9 @@ class RunResult:
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, acc, engine, data: DataSource,
                  logger: MetricsLogger, total_iters: int, flops_per_token: float,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], checkpointer: Checkpointer | None = None):
         self.cfg, self.dims, self.acc, self.engine, self.data = cfg, dims, acc, engine, data
+        self.checkpointer = checkpointer
         self.logger, self.total_iters, self.log = logger, total_iters, log
         self.flops_per_token = flops_per_token
         self.device = torch.device(acc.current_device_name())
@@ -53,21 +54,17 @@ class Trainer:
         self.state = TrainState()
         self.steps = StepRunner(cfg, dims, engine, self.grad_accum)
 
-    # ---- checkpoints (DeepSpeed's format; the checkpoint issue replaces this) ----
+    # ---- checkpoints ----
     def maybe_resume(self) -> None:
-        ck = self.cfg.checkpoint
-        if ck.dir and ck.resume and (Path(ck.dir) / "latest").is_file():
-            path, client = self.engine.load_checkpoint(ck.dir)
-            if path is None:
-                raise RuntimeError(f"could not load the checkpoint named by {ck.dir}/latest")
-            self.state = TrainState(client["step"], client["consumed_samples"])
-            self.log(f"resumed from {path} at step {self.state.step}")
+        if self.checkpointer is None or not self.cfg.checkpoint.resume:
+            return
+        loaded = self.checkpointer.load()
+        if loaded is not None:
+            self.state = TrainState(*loaded)
 
     def save(self) -> None:
-        ck = self.cfg.checkpoint
-        tag = f"global_step{self.state.step}"
-        self.engine.save_checkpoint(ck.dir, tag=tag, client_state=vars(self.state).copy())
-        self.log(f"saved checkpoint {ck.dir}/{tag}")
+        path = self.checkpointer.save(self.state.step, self.state.consumed_samples)
+        self.log(f"saved checkpoint {path}")
 
     # ---- evaluation ----
     def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool):

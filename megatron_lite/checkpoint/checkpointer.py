@@ -1,0 +1,264 @@
+"""Saving and resuming a run: every rank writes its own state in parallel, rank 0 commits.
+
+Collective: every rank calls ``save`` and ``load`` at the same step; a failure on any rank is
+raised on every rank (nothing hangs), and a failed save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.shards import Assembler, Fragment, load_fragments, local_fragments
+from megatron_lite.checkpoint.store import CheckpointError
+from megatron_lite.config import Config, to_yaml
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.distributed.parallel_dims import ParallelDims, raise_together
+
+# Fields that make a checkpoint's weights mean something: loading into a model that differs in
+# any of them is refused (checkpoint.strict_model=false overrides).
+ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                "ffn_multiple", "activation", "norm", "position", "bias", "tie_embeddings", "rope_theta")
+
+
+def _all_gather(obj) -> list:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _broadcast(obj):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _torch_optimizer(engine) -> torch.optim.Optimizer:
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def _adam_step(engine) -> float:
+    for state in _torch_optimizer(engine).state.values():
+        if "step" in state:
+            return float(state["step"])
+    return 0.0
+
+
+def _set_adam_step(engine, step: float) -> None:
+    for state in _torch_optimizer(engine).state.values():
+        if "step" in state:
+            old = state["step"]
+            state["step"] = (torch.full_like(old, step) if isinstance(old, torch.Tensor) else step)
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, dims: ParallelDims, acc, engine, model_cfg: ModelConfig,
+                 log: Callable[[str], None]):
+        self.cfg, self.dims, self.acc, self.engine = cfg, dims, acc, engine
+        self.model_cfg, self.log = model_cfg, log
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+
+    def _topology(self) -> dict:
+        from megatron_lite.training.engine import zero_stage
+
+        d = self.dims
+        return {"world_size": d.world_size, "tensor": d.tensor, "pipeline": d.pipeline, "data": d.data,
+                "ulysses": d.ulysses, "zero_stage": zero_stage(self.cfg)}
+
+    # ---------------------------------------------------------------- save
+    def _rank_state(self, step: int) -> dict:
+        state = {
+            "rank": self.dims.rank,
+            "fragments": [f.to_dict() for f in local_fragments(self.engine, self.dims)],
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state(),
+                    "device": self.acc.get_rng_state() if self.acc.device_name() != "cpu" else None},
+        }
+        if self.dims.rank == 0:
+            engine = self.engine
+            state["trainer"] = {
+                "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                "adam_step": _adam_step(engine),
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            }
+        return state
+
+    def _manifest(self, step: int, consumed_samples: int, files: list[dict]) -> dict:
+        import deepspeed
+
+        return {
+            "format": store.FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "topology": self._topology(),
+            "model": {k: getattr(self.model_cfg, k) for k in ARCHITECTURE},
+            "data": {"seq_length": self.cfg.data.seq_length, "tokenizer": self.cfg.data.tokenizer.type},
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                         "python": platform.python_version()},
+            "files": files,
+            "config": to_yaml(self.cfg),
+        }
+
+    def save(self, step: int, consumed_samples: int) -> Path:
+        """Collective. Returns the committed directory; raises ``CheckpointError`` on every rank
+        if any rank failed (the partial directory is removed, ``latest`` untouched)."""
+        assert self.root is not None
+        root, rank = self.root, self.dims.rank
+        tmp = root / f".tmp-{store.step_name(step)}"
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as e:
+                error = CheckpointError(f"cannot create {tmp}: {e}")
+        raise_together(error)
+
+        try:
+            entry = {"ok": True, **store.write_rank_file(tmp, rank, self._rank_state(step))}
+        except Exception as e:  # reported on every rank below
+            entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        entries = _all_gather(entry)
+        failed = [e["error"] for e in entries if not e["ok"]]
+        if failed:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving step {step} to {root} failed; the previous checkpoint is "
+                                  "kept:\n  " + "\n  ".join(failed))
+
+        final: Path | None = None
+        error = None
+        if rank == 0:
+            try:
+                files = [{k: e[k] for k in ("name", "bytes", "sha256")} for e in entries]
+                final = store.commit(root, tmp, self._manifest(step, consumed_samples, files))
+                self._apply_retention(step)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = CheckpointError(f"committing step {step} in {root} failed ({e}); the "
+                                        "previous checkpoint is kept")
+        raise_together(error)
+        return root / store.step_name(step) if final is None else final
+
+    def _apply_retention(self, newest: int) -> None:
+        ck = self.cfg.checkpoint
+        dirs = {int(p.name.split("_")[1]): p for p in store.committed_steps(self.root)}
+        keep = store.retained(list(dirs), ck.keep_last, ck.keep_every, protect={newest})
+        for step, path in dirs.items():
+            if step not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ---------------------------------------------------------------- load
+    def _choose(self) -> tuple[Path, dict] | None:
+        """Rank 0: the checkpoint to resume from (verified), None for a fresh start."""
+        ck = self.cfg.checkpoint
+        root = self.root
+        if root is None or not root.is_dir():
+            return None
+        for stale in store.remove_stale(root):
+            self.log(f"removed an incomplete save: {stale}")
+        candidates: list[Path] = []
+        try:
+            latest = store.read_latest(root)
+            if latest is not None:
+                candidates.append(latest)
+            elif store.committed_steps(root):
+                raise CheckpointError(f"{root} has checkpoints but no '{store.LATEST}' pointer")
+        except CheckpointError as e:
+            if not ck.load_fallback:
+                raise CheckpointError(f"{e}; set checkpoint.load_fallback=true to resume from the "
+                                      "newest valid checkpoint instead") from None
+            self.log(f"warning: {e}; falling back to the newest valid checkpoint")
+        if ck.load_fallback:
+            candidates += [p for p in store.committed_steps(root) if p not in candidates]
+        for path in candidates:
+            try:
+                manifest = store.read_manifest(path)
+                store.verify(path, manifest)
+                return path, manifest
+            except CheckpointError as e:
+                if not ck.load_fallback:
+                    raise CheckpointError(f"cannot resume: {e}. Set checkpoint.load_fallback=true to "
+                                          "resume from the newest valid checkpoint instead") from None
+                self.log(f"warning: skipping {path}: {e}")
+        if candidates:
+            raise CheckpointError(f"no valid checkpoint in {root}")
+        return None
+
+    def _check_architecture(self, manifest: dict, path: Path) -> None:
+        saved = manifest["model"]
+        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, recipe {getattr(self.model_cfg, k)!r}"
+                for k in ARCHITECTURE if saved.get(k) != getattr(self.model_cfg, k)]
+        if manifest["data"]["seq_length"] != self.cfg.data.seq_length:
+            diff.append(f"data.seq_length: checkpoint {manifest['data']['seq_length']}, recipe "
+                        f"{self.cfg.data.seq_length}")
+        if diff and self.cfg.checkpoint.strict_model:
+            raise CheckpointError(f"{path} was written for a different model:\n  " + "\n  ".join(diff)
+                                  + "\nset checkpoint.strict_model=false to load it anyway")
+
+    def load(self) -> tuple[int, int] | None:
+        """Collective. (step, consumed_samples) of the checkpoint loaded, None for a fresh start."""
+        chosen, error = None, None
+        if self.dims.rank == 0:
+            try:
+                chosen = self._choose()
+                if chosen is not None:
+                    self._check_architecture(chosen[1], chosen[0])
+            except CheckpointError as e:
+                error = e
+        raise_together(error)
+        chosen = _broadcast(chosen)
+        if chosen is None:
+            return None
+        path, manifest = chosen
+        states = {}
+        error = None
+        try:
+            for entry in manifest["files"]:
+                states[entry["name"]] = torch.load(path / entry["name"], map_location="cpu",
+                                                   weights_only=False, mmap=True)
+            fragments = [Fragment.from_dict(d) for s in states.values() for d in s["fragments"]]
+            load_fragments(self.engine, Assembler(fragments), manifest["step"])
+        except Exception as e:
+            error = CheckpointError(f"loading {path} failed on rank {self.dims.rank}: {e}")
+        raise_together(error)
+
+        trainer = states[store.rank_file(0)]["trainer"]
+        engine = self.engine
+        if engine.lr_scheduler is not None and trainer["scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(trainer["scheduler"])
+            # The schedule's state does not include the rate it last set on the optimizer.
+            for group, lr in zip(engine.lr_scheduler.optimizer.param_groups,
+                                 engine.lr_scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+        _set_adam_step(engine, trainer["adam_step"])
+        engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
+        same_layout = self._topology() == manifest["topology"]
+        own = states.get(store.rank_file(self.dims.rank))
+        if same_layout and own is not None:
+            rng = own["rng"]
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if rng["device"] is not None:
+                self.acc.set_rng_state(rng["device"])
+        self.log(f"resumed from {path} at step {manifest['step']}"
+                 + ("" if same_layout else f" (saved with layout {manifest['topology']})"))
+        return manifest["step"], manifest["consumed_samples"]

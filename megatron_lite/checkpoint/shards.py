@@ -1,0 +1,213 @@
+"""What each rank writes and reads: its own slice of the weights and of the optimizer state.
+
+Every parameter is addressed layout-free: by its name in the plain model (``ml_name``), the
+tensor-parallel slice it belongs to (``ml_shard``: dim, rank, size) and the range of elements of
+that slice, flattened, that this rank owns (its ZeRO partition; the whole slice without ZeRO).
+A rank saves one *fragment* per parameter it owns: the fp32 weights and the Adam moments of that
+range. Replicated state is saved once: a tensor-parallel-replicated parameter only by tensor
+rank 0, an unsharded optimizer only by the first data-parallel replica, a weight tied across
+pipeline stages only by its owning stage.
+
+Loading assembles, for each local parameter, the full tensors from whatever fragments the
+checkpoint has (written by any layout) and cuts this rank's fragment out of them; so a
+checkpoint loads into any tensor/pipeline/data-parallel size and ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_lite.distributed.parallel_dims import ParallelDims
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Fragment:
+    name: str
+    slice_shape: tuple[int, ...]
+    """Shape of the tensor-parallel slice (the full shape when the parameter is not sliced)."""
+    shard: tuple[int, int, int] | None
+    start: int
+    """First element of the flattened slice held here."""
+    tensors: dict[str, torch.Tensor]
+    """``param`` (fp32 weights) and the optimizer moments, each 1-D of the fragment's length."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "slice_shape": list(self.slice_shape), "shard": self.shard,
+                "start": self.start, "tensors": self.tensors}
+
+    @staticmethod
+    def from_dict(d: dict) -> Fragment:
+        shard = tuple(d["shard"]) if d["shard"] is not None else None
+        return Fragment(d["name"], tuple(d["slice_shape"]), shard, d["start"], d["tensors"])
+
+
+def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Parameter]:
+    for p in module.parameters():
+        if getattr(p, "ds_pipe_replicated", False):
+            continue  # the copy of a tied weight on a later pipeline stage
+        if not hasattr(p, "ml_shard") and dims.tp_rank != 0:
+            continue  # replicated across tensor ranks: rank 0 writes it
+        yield p
+
+
+def _torch_optimizer(engine) -> torch.optim.Optimizer:
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def ensure_optimizer_state(engine) -> None:
+    """Give every parameter of the optimizer an Adam state (zeros where no step was taken yet) and
+    have DeepSpeed's ZeRO 1/2 link its per-parameter views to it: both are lazy otherwise."""
+    opt = _torch_optimizer(engine)
+    fused = bool(opt.defaults.get("fused"))
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    # ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside param_groups.
+    flat += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+    for p in flat:
+        state = opt.state[p]
+        if not state:
+            # As torch's AdamW creates it on its first step.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    zero = engine.optimizer
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+def _zero3_range(p: nn.Parameter) -> tuple[int, int]:
+    size = p.ds_tensor.ds_numel
+    start = p.ds_tensor.ds_numel * p.ds_zero_partition_rank if hasattr(p, "ds_zero_partition_rank") else 0
+    return start, max(0, min(size, p.ds_numel - start))
+
+
+def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
+    """This rank's fragments (empty for a replica whose state another rank writes)."""
+    module = engine.module
+    ensure_optimizer_state(engine)
+    out: list[Fragment] = []
+    plain_opt = None
+    for p in _owned_parameters(module, dims):
+        shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+        shard = getattr(p, "ml_shard", None)
+        if hasattr(p, "_hp_mapping"):  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
+            mapping = p._hp_mapping
+            if mapping is None:
+                continue
+            start = mapping.lp_fragment_address.start
+            tensors = {"param": mapping.get_hp_fragment().detach().float().cpu().clone()}
+            for key in STATE_KEYS:
+                tensors[key] = mapping.get_hp_fragment(key).detach().float().cpu().clone()
+        elif hasattr(p, "ds_id"):  # ZeRO 3
+            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+            start, numel = _zero3_range(p)
+            if numel == 0:
+                continue
+            tensors = {"param": safe_get_local_fp32_param(p)[:numel].detach().float().cpu().clone()}
+            for key in STATE_KEYS:
+                tensors[key] = safe_get_local_optimizer_state(p, key)[:numel].detach().float().cpu().clone()
+        else:  # no ZeRO: every data-parallel replica holds everything; the first one writes
+            if dims.dp_rank != 0 or dims.sp_rank != 0:
+                continue
+            plain_opt = plain_opt or _torch_optimizer(engine)
+            state = plain_opt.state.get(p, {})
+            start = 0
+            tensors = {"param": p.detach().float().cpu().reshape(-1).clone()}
+            for key in STATE_KEYS:
+                value = state.get(key)
+                tensors[key] = (value.detach().float().cpu().reshape(-1).clone() if value is not None
+                                else torch.zeros(p.numel()))
+        out.append(Fragment(p.ml_name, shape, shard, start, tensors))
+    return out
+
+
+class Assembler:
+    """Full tensors by (plain-model name, key), assembled on demand from all ranks' fragments."""
+
+    def __init__(self, fragments: Iterable[Fragment]):
+        self.by_name: dict[str, list[Fragment]] = {}
+        for f in fragments:
+            self.by_name.setdefault(f.name, []).append(f)
+
+    def names(self) -> set[str]:
+        return set(self.by_name)
+
+    def full(self, name: str, key: str) -> torch.Tensor:
+        frags = self.by_name.get(name)
+        if not frags:
+            raise KeyError(f"the checkpoint has no parameter '{name}'")
+        first = frags[0]
+        size = first.shard[2] if first.shard else 1
+        slices = [torch.full((math.prod(first.slice_shape),), math.nan) for _ in range(size)]
+        for f in frags:
+            rank = f.shard[1] if f.shard else 0
+            t = f.tensors[key]
+            slices[rank][f.start:f.start + t.numel()] = t
+        shaped = [s.view(first.slice_shape) for s in slices]
+        full = torch.cat(shaped, dim=first.shard[0]) if first.shard else shaped[0]
+        if torch.isnan(full).any():
+            raise ValueError(f"the checkpoint's fragments of '{name}' ({key}) do not cover it: "
+                             "files are missing")
+        return full
+
+
+def _local_slice(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    shard = getattr(p, "ml_shard", None)
+    if shard is None:
+        return full
+    dim, rank, size = shard
+    return full.chunk(size, dim)[rank]
+
+
+@torch.no_grad()
+def load_fragments(engine, assembler: Assembler, step: int) -> None:
+    """Set this rank's weights and optimizer state from ``assembler`` (any source layout)."""
+    module = engine.module
+    ensure_optimizer_state(engine)
+    plain_opt = None
+    for p in module.parameters():
+        values = {key: _local_slice(p, assembler.full(p.ml_name, key)).reshape(-1)
+                  for key in ("param", *STATE_KEYS)}
+        if hasattr(p, "_hp_mapping"):
+            mapping = p._hp_mapping
+            p.data.copy_(values["param"].view_as(p).to(p.dtype))
+            if mapping is None:
+                continue
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            mapping.get_hp_fragment().data.copy_(values["param"][start:start + numel])
+            for key in STATE_KEYS:
+                mapping.get_hp_fragment(key).data.copy_(values[key][start:start + numel])
+        elif hasattr(p, "ds_id"):
+            from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+            start, numel = _zero3_range(p)
+            padded = {}
+            for key, value in values.items():
+                padded[key] = torch.zeros(p.ds_tensor.ds_numel, dtype=torch.float32)
+                padded[key][:numel] = value[start:start + numel]
+                padded[key] = padded[key].to(p.ds_tensor.device)
+            safe_set_local_fp32_param(p, padded["param"])
+            p.ds_tensor.data.copy_(padded["param"].to(p.ds_tensor.dtype))
+            for key in STATE_KEYS:
+                safe_set_local_optimizer_state(p, padded[key], key)
+        else:
+            plain_opt = plain_opt or _torch_optimizer(engine)
+            p.data.copy_(values["param"].view_as(p).to(p.dtype))
+            state = plain_opt.state.setdefault(p, {})
+            for key in STATE_KEYS:
+                state[key] = values[key].view_as(p).to(device=p.device, dtype=p.dtype).clone()
+            # torch's AdamW keeps its step count as a tensor (float32, on the parameter's device
+            # for the fused kernel).
+            state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=p.device if plain_opt.defaults.get("fused") else "cpu")

@@ -1,0 +1,171 @@
+"""Checkpoint directories on disk: atomic commit, manifest with checksums, the ``latest`` pointer.
+
+Layout of ``checkpoint.dir``::
+
+    latest                 one line: the name of the newest committed checkpoint
+    step_00001000/         a committed checkpoint
+        manifest.json      written last: step, data position, config, topology, files + SHA-256
+        rank_00000.pt ...  one file per rank (its fragments, RNG states; rank 0: trainer state)
+    .tmp-step_00002000/    a save in progress (never loaded; removed when found at start)
+
+A checkpoint is committed by renaming its temporary directory after every rank has written and
+the manifest is on disk; ``latest`` is replaced by write-temp-then-rename afterwards. A crash at
+any moment leaves the previous checkpoint and ``latest`` valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or is not valid to load."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name, flushed to disk before the rename."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def serialize(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def write_rank_file(directory: Path, rank: int, obj) -> dict:
+    """Write one rank's state; returns its manifest entry (name, bytes, sha256)."""
+    data = serialize(obj)
+    name = rank_file(rank)
+    write_bytes_durably(directory / name, data)
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit(root: Path, tmp: Path, manifest: dict) -> Path:
+    """Rank 0, after every rank wrote its file: manifest, rename into place, then ``latest``."""
+    write_bytes_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    fsync_dir(tmp)
+    final = root / step_name(manifest["step"])
+    if final.exists():
+        # The same step saved again (e.g. after a resume): swap, then drop the old one.
+        old = root / f".old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    write_bytes_durably(root / LATEST, (final.name + "\n").encode())
+    fsync_dir(root)
+    return final
+
+
+@dataclass
+class Committed:
+    path: Path
+    manifest: dict
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST} (an incomplete checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is corrupt: {e}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path / MANIFEST}: format {manifest.get('format')!r}, this version "
+                              f"reads format {FORMAT_VERSION}")
+    return manifest
+
+
+def verify(path: Path, manifest: dict) -> None:
+    """Every file listed exists with its size and SHA-256; the first problem is raised by name."""
+    for entry in manifest["files"]:
+        file = path / entry["name"]
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file} is {size} bytes, the manifest says {entry['bytes']} "
+                                  "(truncated or overwritten)")
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{file} does not match its SHA-256 in the manifest (corrupt)")
+
+
+def committed_steps(root: Path) -> list[Path]:
+    """Committed-looking checkpoint directories, newest first."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+
+
+def read_latest(root: Path) -> Path | None:
+    """The directory ``latest`` names, None when there is no ``latest``; a garbage pointer is an
+    error (never a silent start from step 0)."""
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not name.startswith("step_") or "/" in name or not (root / name).is_dir():
+        raise CheckpointError(f"{pointer} does not name a checkpoint directory in {root} "
+                              f"(it reads {name[:60]!r})")
+    return root / name
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Remove saves that never committed (``.tmp-*``, ``.old-*``); returns what was removed."""
+    stale = [p for p in root.glob(".tmp-*")] + [p for p in root.glob(".old-*")]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def retained(steps: list[int], keep_last: int, keep_every: int, protect: set[int]) -> set[int]:
+    """Which steps to keep: the newest ``keep_last`` (0: all), every ``keep_every``-th step, and
+    ``protect`` (the one ``latest`` names)."""
+    keep = set(protect)
+    ordered = sorted(steps, reverse=True)
+    keep.update(ordered if keep_last <= 0 else ordered[:keep_last])
+    if keep_every > 0:
+        keep.update(s for s in steps if s % keep_every == 0)
+    return keep
