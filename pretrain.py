@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
         print(f"vocab_size: {model_cfg.vocab_size}")
         return 0
 
+    from megatron_lite.checkpoint import CheckpointError
     from megatron_lite.distributed import TopologyError
     from megatron_lite.training.run import run
 
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
     except TopologyError as e:
         _report_once(e)
         return 2
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -132,11 +132,24 @@ class Checkpointer:
         raise_together(error)
 
         try:
-            entry = {"ok": True, **store.write_rank_file(tmp, rank, self._rank_state(step))}
+            data, error_text = store.serialize(self._rank_state(step)), None
         except Exception as e:  # reported on every rank below
-            entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-        entries = _all_gather(entry)
-        failed = [e["error"] for e in entries if not e["ok"]]
+            data, error_text = b"", f"rank {rank}: {type(e).__name__}: {e}"
+        sizes = _all_gather((len(data), error_text))
+        failed = [err for _, err in sizes if err]
+        if not failed and rank == 0 and self.cfg.checkpoint.check_free_space:
+            need, free = sum(n for n, _ in sizes), shutil.disk_usage(tmp).free
+            if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
+                failed = [f"not enough free space in {root}: the checkpoint needs {need / 2**20:.1f} MiB, "
+                          f"{free / 2**20:.1f} MiB are free"]
+        failed = _broadcast(failed)
+        if not failed:
+            try:
+                entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
+            except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
+                entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+            entries = _all_gather(entry)
+            failed = [e["error"] for e in entries if not e["ok"]]
         if failed:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

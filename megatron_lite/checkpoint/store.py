@@ -68,7 +68,10 @@ def serialize(obj) -> bytes:
 
 def write_rank_file(directory: Path, rank: int, obj) -> dict:
     """Write one rank's state; returns its manifest entry (name, bytes, sha256)."""
-    data = serialize(obj)
+    return write_rank_bytes(directory, rank, serialize(obj))
+
+
+def write_rank_bytes(directory: Path, rank: int, data: bytes) -> dict:
     name = rank_file(rank)
     write_bytes_durably(directory / name, data)
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -193,6 +193,9 @@ class TrainingConfig:
     """Sampling temperature (0 is greedy)."""
     sample_top_k: int = 200
     """Sample among the top-k tokens (0 keeps all)."""
+    exit_duration_mins: Optional[float] = None
+    """Save a checkpoint and exit 0 once the run has been going this many minutes (set it a few
+    minutes under the job's walltime); null: no limit."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,20 @@ class CheckpointConfig:
     strict_model: bool = True
     """Refuse to load a checkpoint written for a different model shape, vocabulary or sequence
     length (the error lists the differences)."""
+    save_interval_minutes: float = 0.0
+    """Also save when this many minutes have passed since the last save (0: off)."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (PBS sends one before walltime) every rank agrees on a step, saves
+    and exits 0."""
+    on_save_failure: str = choice("stop", "continue")
+    """After a failed save (disk full, I/O error on any rank): ``stop`` exits non-zero after
+    ``max_save_failures`` consecutive failures; ``continue`` trains on and warns at every log
+    step how old the last good checkpoint is."""
+    max_save_failures: int = 1
+    """Consecutive failed saves that stop the run under ``on_save_failure: stop``."""
+    check_free_space: bool = True
+    """Before writing, compare the checkpoint's size with the free space of ``dir`` and fail the
+    save cleanly if it does not fit (turn off where the filesystem misreports free space)."""
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ class ParallelDims:
                 group = dist.new_group(ranks) if self.world_size > 1 else None
                 if self.rank in ranks:
                     self.groups[name] = group
+        if self.world_size > 1:
+            # Small host-side agreements (stop on a signal, time to save) over gloo, so that
+            # asking does not synchronise with the accelerator.
+            self.groups["control"] = dist.new_group(backend="gloo")
 
     def group(self, name: str):
         """The process group of this rank along ``name`` (None: the whole world of one rank)."""
@@ -235,6 +239,15 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     return dims, acc
 
 
+def shutdown_distributed() -> None:
+    """After a successful run: wait for every rank, then tear the process groups down in order
+    (left to interpreter exit, gloo's threads can abort the process)."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def raise_together(error: BaseException | None) -> None:
     """Collective: every rank raises if any rank has an ``error`` (its own, or a pointer to the
     other rank's), instead of the healthy ranks waiting forever in a later collective."""
@@ -267,6 +280,15 @@ def on_every_rank(fn: Callable[[], T]) -> T:
         result, error = None, e
     raise_together(error)
     return result  # type: ignore[return-value]
+
+
+def any_rank(flags: list[bool], dims: ParallelDims) -> list[bool]:
+    """Element-wise OR of ``flags`` over all ranks (host-side, over the gloo control group)."""
+    if dims.world_size == 1:
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.group("control"))
+    return [bool(x) for x in t.tolist()]
 
 
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,20 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
+    def event(self, step: int, kind: str, message: str, **fields: Any) -> None:
+        """A noteworthy event (a failed save, a stop on a signal): a ``metrics.jsonl`` record
+        with ``event``, TensorBoard text and a W&B count."""
+        if not self.enabled:
+            return
+        assert self._jsonl is not None
+        record = {"time": round(time.time(), 3), "step": step, "event": kind, "message": message, **fields}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.add_text(f"events/{kind}", message, step)
+        if self._wandb is not None:
+            self._wandb.log({f"events/{kind}": 1}, step=step)
+
     def text(self, tag: str, text: str, step: int) -> None:
         if self._tb is not None:
             self._tb.add_text(tag, text, step)

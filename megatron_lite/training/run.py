@@ -15,7 +15,11 @@ from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import on_every_rank, on_one_rank_then_all
+from megatron_lite.distributed.parallel_dims import (
+    on_every_rank,
+    on_one_rank_then_all,
+    shutdown_distributed,
+)
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
@@ -109,6 +113,7 @@ def run(cfg: Config) -> RunResult:
         result = trainer.train()
     finally:
         logger.close()
-    if result.final_val_loss is not None:
+    if result.final_val_loss is not None and result.stopped is None:
         log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
+    shutdown_distributed()
     return result

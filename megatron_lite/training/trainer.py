@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_lite.checkpoint import Checkpointer
+from megatron_lite.checkpoint import Checkpointer, CheckpointError
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean
 from megatron_lite.logging import MetricsLogger, console_line
+from megatron_lite.training.control import RunControl
 from megatron_lite.training.generate import sample
 from megatron_lite.training.step import StepRunner
 
@@ -36,6 +37,8 @@ class RunResult:
     final_val_loss: float | None
     sample_text: str | None
     history: list[dict] = field(default_factory=list)
+    stopped: str | None = None
+    """Why the run stopped before ``training.iters`` (a signal, the time limit), if it did."""
 
 
 class Trainer:
@@ -53,6 +56,9 @@ class Trainer:
         self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
         self.state = TrainState()
         self.steps = StepRunner(cfg, dims, engine, self.grad_accum)
+        self.control = RunControl(cfg, dims)
+        self.save_failures = 0
+        self.last_good: tuple[int, int] | None = None  # (step, consumed samples) of the last save
 
     # ---- checkpoints ----
     def maybe_resume(self) -> None:
@@ -61,10 +67,38 @@ class Trainer:
         loaded = self.checkpointer.load()
         if loaded is not None:
             self.state = TrainState(*loaded)
+            self.last_good = loaded
 
     def save(self) -> None:
-        path = self.checkpointer.save(self.state.step, self.state.consumed_samples)
+        """Save; a failure is reported everywhere and handled by ``checkpoint.on_save_failure``."""
+        ck, st = self.cfg.checkpoint, self.state
+        try:
+            path = self.checkpointer.save(st.step, st.consumed_samples)
+        except CheckpointError as e:
+            self.save_failures += 1
+            self.log(f"error: checkpoint save failed ({self.save_failures} in a row): {e}")
+            self.logger.event(st.step, "checkpoint_save_failed", str(e), failures=self.save_failures)
+            if ck.on_save_failure == "stop" and self.save_failures >= ck.max_save_failures:
+                raise CheckpointError(f"{e}\nstopping: checkpoint.on_save_failure=stop "
+                                      f"(checkpoint.max_save_failures={ck.max_save_failures})") from None
+            return
+        finally:
+            self.control.saved()
+        self.save_failures = 0
+        self.last_good = (st.step, st.consumed_samples)
         self.log(f"saved checkpoint {path}")
+
+    def _warn_if_checkpoint_is_old(self) -> None:
+        if not self.save_failures:
+            return
+        st = self.state
+        if self.last_good is None:
+            self.log(f"warning: no checkpoint saved yet; the last {self.save_failures} save(s) failed")
+            return
+        steps = st.step - self.last_good[0]
+        tokens = (st.consumed_samples - self.last_good[1]) * self.cfg.data.seq_length
+        self.log(f"warning: the last good checkpoint (step {self.last_good[0]}) is {steps} steps and "
+                 f"{tokens:,} tokens old; {self.save_failures} save(s) in a row failed")
 
     # ---- evaluation ----
     def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool):
@@ -136,13 +170,20 @@ class Trainer:
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters))
+                self._warn_if_checkpoint_is_old()
                 loss_sum.zero_()
                 interval_steps = 0
             if (t.eval_interval and st.step % t.eval_interval == 0) or last:
                 result.final_val_loss, result.sample_text = self._eval_and_sample()
             ck = cfg.checkpoint
-            if ck.dir and ((ck.save_interval and st.step % ck.save_interval == 0) or last):
+            decision = self.control.decide()
+            if ck.dir and ((ck.save_interval and st.step % ck.save_interval == 0) or last or decision.save):
                 self.save()
+            if decision.stop is not None:
+                self.log(f"stopping at step {st.step}: {decision.stop}")
+                self.logger.event(st.step, "stop", decision.stop)
+                result.stopped = decision.stop
+                break
             if st.step % t.log_interval == 0 or last:
                 interval_start = time.perf_counter()  # evaluation and saving are not step time
         result.steps = st.step

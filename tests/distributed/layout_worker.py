@@ -16,7 +16,7 @@ import torch
 from megatron_lite.config import load_config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import all_reduce_mean
+from megatron_lite.distributed.parallel_dims import all_reduce_mean, shutdown_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model, local_shards
 from megatron_lite.parallel.random import rank_seed
@@ -77,6 +77,7 @@ def main() -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out.mkdir(parents=True, exist_ok=True)
     torch.save(results, out / f"rank{rank}.pt")
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

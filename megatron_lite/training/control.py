@@ -1,0 +1,60 @@
+"""When to save and when to stop, agreed by every rank at a step boundary.
+
+A signal (SIGTERM; SIGUSR1, which PBS sends before walltime with ``-l signal``-style requests)
+may reach one rank only, and clocks differ between nodes: each rank reports what it saw, the
+flags are OR-ed over all ranks (one small gloo all-reduce per step), and every rank takes the
+same decision at the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from megatron_lite.config.schema import Config
+from megatron_lite.distributed.parallel_dims import ParallelDims, any_rank
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Decision:
+    save: bool
+    stop: str | None
+    """Why the run stops now (a signal, the time limit), or None."""
+
+
+class RunControl:
+    def __init__(self, cfg: Config, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
+        self.start = self.last_save = time.monotonic()
+        self.received: str | None = None
+        self.active = bool(cfg.checkpoint.dir) or cfg.training.exit_duration_mins is not None
+        if cfg.checkpoint.dir and cfg.checkpoint.save_on_signal and \
+                threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def decide(self) -> Decision:
+        """Collective (when active): call on every rank after every step."""
+        if not self.active:
+            return Decision(False, None)
+        ck, t = self.cfg.checkpoint, self.cfg.training
+        now = time.monotonic()
+        out_of_time = t.exit_duration_mins is not None and now - self.start >= 60 * t.exit_duration_mins
+        timer = ck.save_interval_minutes > 0 and now - self.last_save >= 60 * ck.save_interval_minutes
+        got_signal, out_of_time, timer = any_rank([self.received is not None, out_of_time, timer], self.dims)
+        stop = None
+        if got_signal:
+            stop = f"signal {self.received or 'received by another rank'}"
+        elif out_of_time:
+            stop = f"training.exit_duration_mins={t.exit_duration_mins} reached"
+        return Decision(bool(ck.dir) and (timer or stop is not None), stop)

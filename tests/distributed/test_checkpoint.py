@@ -1,0 +1,97 @@
+"""Checkpoints: exact resume after a killed process, resharding, integrity and crash safety."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, _free_port, char_overrides, check, cpu_env, read_metrics, run_pretrain
+
+
+def _args(tmp, *extra):
+    # 66: the 65 characters padded to a multiple of 2, so TP=2 and one process share a model.
+    return ["recipes/shakespeare-char.yaml", *char_overrides(tmp)[:3], "training.log_interval=1",
+            "training.eval_interval=0", "training.eval_iters=1", "training.global_batch_size=8",
+            "training.micro_batch_size=2", "training.sample_tokens=0", "model.vocab_size=66", *extra]
+
+
+def _records(run_dir, first_step):
+    return [r for r in read_metrics(run_dir) if "loss" in r and r["step"] >= first_step]
+
+
+def _run_and_kill_after_save(args, nproc, marker):
+    """Start pretrain.py, SIGKILL it (every process) as soon as ``marker`` is printed."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "pretrain.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen[-30:])
+
+
+@pytest.mark.parametrize("nproc, layout",
+                         [(1, []), (2, ["parallel.zero_stage=1"]), (2, ["parallel.tensor=2"])],
+                         ids=["one-process", "dp2-zero1", "tp2"])
+def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
+    full = _args(tmp_path, "training.iters=6", *layout)
+    check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
+    _run_and_kill_after_save([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
+                             f"saved checkpoint {tmp_path}/ck/step_00000003")
+    check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
+    want, got = _records(tmp_path / "full", 4), _records(tmp_path / "resumed", 1)
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for key in ("loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+@pytest.mark.parametrize("save, resume", [
+    ((2, ["parallel.zero_stage=1"]), (1, [])),
+    ((2, ["parallel.zero_stage=1"]), (4, ["parallel.zero_stage=2", "training.micro_batch_size=1"])),
+    ((4, ["parallel.tensor=2", "parallel.pipeline=2"]), (1, [])),
+], ids=["dp2-to-1", "dp2-to-dp4-zero2", "tp2xpp2-to-1"])
+def test_checkpoint_loads_into_another_layout(tmp_path, save, resume):
+    reference = _args(tmp_path, "training.iters=6")
+    check(run_pretrain([*reference, f"logging.dir={tmp_path}/full"]))
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=3", *save[1]), *ck, f"logging.dir={tmp_path}/a"],
+                       nproc=save[0]))
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", *resume[1]), *ck,
+                               f"logging.dir={tmp_path}/b"], nproc=resume[0]))
+    assert "saved with layout" in proc.stdout
+    want, got = _records(tmp_path / "full", 4), _records(tmp_path / "b", 1)
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]),
+                                   rtol=1e-5, atol=0, msg=key)
+
+
+def test_corrupt_checkpoint_stops_the_run_naming_the_file(tmp_path):
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=4"), *ck, f"logging.dir={tmp_path}/a"]))
+    shard = tmp_path / "ck/step_00000004/rank_00000.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_pretrain([*_args(tmp_path, "training.iters=6"), *ck, f"logging.dir={tmp_path}/b"])
+    assert proc.returncode == 1
+    assert f"{shard} does not match its SHA-256" in proc.stderr
+    assert "load_fallback=true" in proc.stderr
+    # With the fallback the run resumes from the previous checkpoint (step 2).
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6"), *ck, "checkpoint.load_fallback=true",
+                               f"logging.dir={tmp_path}/c"]))
+    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout

@@ -1,0 +1,102 @@
+"""Checkpoints under real faults: a signal to one rank, a time limit, a full filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, _free_port, check, cpu_env, read_metrics, run_pretrain
+from tests.distributed.test_checkpoint import _args, _records
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(tmp_path):
+    full = _args(tmp_path, "training.iters=40", "parallel.zero_stage=1")
+    check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=2))
+    ck = [f"checkpoint.dir={tmp_path}/ck"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(REPO / "pretrain.py"), *full, *ck, f"logging.dir={tmp_path}/a"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step      3/"):
+            os.kill(_children(proc.pid)[1], signal.SIGTERM)  # rank 1 only
+    assert proc.wait(timeout=120) == 0, "".join(out[-30:])
+    stopped = [x for x in out if x.startswith("stopping at step")]
+    assert len(stopped) == 1 and "signal" in stopped[0], "".join(out[-30:])
+    step = int(stopped[0].split()[3].rstrip(":"))
+    assert step < 40
+    latest = (tmp_path / "ck/latest").read_text().strip()
+    assert latest == f"step_{step:08d}"
+    manifest = json.loads((tmp_path / "ck" / latest / "manifest.json").read_text())
+    assert [f["name"] for f in manifest["files"]] == ["rank_00000.pt", "rank_00001.pt"]
+
+    check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/b"], nproc=2))
+    want, got = _records(tmp_path / "full", step + 1), _records(tmp_path / "b", 1)
+    assert got[0]["step"] == step + 1 and got[-1]["step"] == 40
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+def test_time_limit_saves_and_exits_zero(tmp_path):
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=1000", "training.exit_duration_mins=0.001"),
+                               f"checkpoint.dir={tmp_path}/ck", f"logging.dir={tmp_path}/run"]))
+    assert "stopping at step 1: training.exit_duration_mins=0.001 reached" in proc.stdout
+    assert (tmp_path / "ck/latest").read_text().strip() == "step_00000001"
+    assert any(r.get("event") == "stop" for r in read_metrics(tmp_path / "run"))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 14 MiB filesystem (tmpfs): room for one checkpoint of the test model (~9.8 MB)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, small_fs):
+    ck = [f"checkpoint.dir={small_fs}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+    start = time.monotonic()
+    proc = run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
+                         f"logging.dir={tmp_path}/run"], nproc=2, timeout=300)
+    assert time.monotonic() - start < 200  # nothing hangs
+    assert proc.returncode != 0
+    assert f"not enough free space in {small_fs}/ck" in proc.stderr and "MiB are free" in proc.stderr
+    assert "on_save_failure=stop" in proc.stderr
+    assert (small_fs / "ck/latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in (small_fs / "ck").iterdir()) == ["latest", "step_00000002"]
+    events = [r for r in read_metrics(tmp_path / "run") if r.get("event") == "checkpoint_save_failed"]
+    assert len(events) == 1 and events[0]["step"] == 4
+
+
+def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_trains_on(tmp_path, small_fs):
+    # Without the free-space estimate the write itself runs into ENOSPC.
+    ck = [f"checkpoint.dir={small_fs}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0",
+          "checkpoint.check_free_space=false", "checkpoint.on_save_failure=continue"]
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
+                               f"logging.dir={tmp_path}/run"], nproc=2, timeout=300))
+    assert "No space left on device" in proc.stdout
+    assert "warning: the last good checkpoint (step 2) is" in proc.stdout
+    assert (small_fs / "ck/latest").read_text().strip() == "step_00000002"
+    assert not list((small_fs / "ck").glob(".tmp-*"))  # the partial save was removed
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]

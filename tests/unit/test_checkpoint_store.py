@@ -1,0 +1,112 @@
+"""The checkpoint directory: commit order, integrity checks, crash leftovers, retention."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.checkpointer import Checkpointer
+from megatron_lite.checkpoint.store import CheckpointError
+from megatron_lite.config import load_config
+from tests.conftest import REPO
+
+
+def _save(root, step, payload=b"x" * 1000):
+    tmp = root / f".tmp-{store.step_name(step)}"
+    tmp.mkdir(parents=True)
+    files = [store.write_rank_file(tmp, r, {"rank": r, "payload": payload}) for r in range(2)]
+    return store.commit(root, tmp, {"format": store.FORMAT_VERSION, "step": step, "files": files})
+
+
+def _chooser(root, *overrides):
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [f"checkpoint.dir={root}", *overrides])
+    messages = []
+    return Checkpointer(cfg, None, None, None, None, messages.append), messages
+
+
+def test_commit_writes_manifest_and_latest(tmp_path):
+    path = _save(tmp_path, 3)
+    assert (tmp_path / "latest").read_text() == "step_00000003\n"
+    manifest = store.read_manifest(path)
+    assert [f["name"] for f in manifest["files"]] == ["rank_00000.pt", "rank_00001.pt"]
+    store.verify(path, manifest)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_flipped_byte_truncation_and_missing_file_are_named(tmp_path):
+    path = _save(tmp_path, 3)
+    manifest = store.read_manifest(path)
+    victim = path / "rank_00001.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank_00001.pt does not match its SHA-256"):
+        store.verify(path, manifest)
+    victim.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match="rank_00001.pt is 100 bytes.*truncated"):
+        store.verify(path, manifest)
+    victim.unlink()
+    with pytest.raises(CheckpointError, match="rank_00001.pt is missing"):
+        store.verify(path, manifest)
+
+
+def test_corrupt_latest_stops_unless_fallback_is_allowed(tmp_path):
+    _save(tmp_path, 3)
+    _save(tmp_path, 6)
+    (tmp_path / "latest").write_bytes(b"\x00\xffgarbage")
+    chooser, _ = _chooser(tmp_path)
+    with pytest.raises(CheckpointError, match="latest does not name a checkpoint.*load_fallback=true"):
+        chooser._choose()
+    chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
+    assert chooser._choose()[0].name == "step_00000006"
+    assert any("falling back" in m for m in messages)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one_only_if_allowed(tmp_path):
+    _save(tmp_path, 3)
+    newest = _save(tmp_path, 6)
+    (newest / "rank_00000.pt").write_bytes(b"garbage")
+    chooser, _ = _chooser(tmp_path)
+    with pytest.raises(CheckpointError, match="step_00000006/rank_00000.pt is 7 bytes"):
+        chooser._choose()
+    chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
+    assert chooser._choose()[0].name == "step_00000003"
+    assert any("skipping" in m and "step_00000006" in m for m in messages)
+
+
+def test_crash_while_writing_shards_leaves_the_previous_checkpoint(tmp_path):
+    _save(tmp_path, 3)
+    partial = tmp_path / ".tmp-step_00000006"
+    partial.mkdir()
+    store.write_rank_file(partial, 0, {"rank": 0})  # rank 1 died before writing
+    (partial / "rank_00001.pt.partial").write_bytes(b"half")
+    chooser, messages = _chooser(tmp_path)
+    path, manifest = chooser._choose()
+    assert (path.name, manifest["step"]) == ("step_00000003", 3)
+    assert not partial.exists() and any("incomplete save" in m for m in messages)
+
+
+def test_crash_between_commit_and_latest_resumes_from_what_latest_names(tmp_path):
+    _save(tmp_path, 3)
+    _save(tmp_path, 6)
+    store.write_bytes_durably(tmp_path / "latest", b"step_00000003\n")  # the pointer was not moved yet
+    chooser, _ = _chooser(tmp_path)
+    assert chooser._choose()[0].name == "step_00000003"
+
+
+def test_missing_latest_with_checkpoints_present_is_an_error(tmp_path):
+    _save(tmp_path, 3)
+    (tmp_path / "latest").unlink()
+    chooser, _ = _chooser(tmp_path)
+    with pytest.raises(CheckpointError, match="no 'latest' pointer"):
+        chooser._choose()
+
+
+def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
+    chooser, _ = _chooser(tmp_path, "checkpoint.keep_last=3", "checkpoint.keep_every=4")
+    for step in range(1, 11):
+        _save(tmp_path, step, payload=b"")
+        chooser._apply_retention(step)
+    assert sorted(p.name for p in store.committed_steps(tmp_path)) == [
+        "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
+    assert store.retained([1, 2, 3], keep_last=1, keep_every=0, protect={2}) == {2, 3}
