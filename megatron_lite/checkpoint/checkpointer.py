@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,25 +24,34 @@ from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims, raise_together
+from megatron_lite.model.transformer import ffn_hidden_size
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
 # any of them is refused (checkpoint.strict_model=false overrides).
 ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                "ffn_multiple", "activation", "norm", "position", "bias", "tie_embeddings", "rope_theta")
+                "activation", "norm", "position", "bias", "tie_embeddings", "rope_theta")
 
 
-def _all_gather(obj) -> list:
+def architecture(cfg: ModelConfig) -> dict:
+    """The ``ARCHITECTURE`` fields of ``cfg``, resolved (defaults that derive a size filled in)."""
+    out = {k: getattr(cfg, k) for k in ARCHITECTURE}
+    out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
+    out["ffn_hidden"] = ffn_hidden_size(cfg)
+    return out
+
+
+def _all_gather(obj, group=None) -> list:
     if dist.is_initialized() and dist.get_world_size() > 1:
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
     return [obj]
 
 
-def _broadcast(obj):
+def _broadcast(obj, group=None):
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
     return obj
 
@@ -73,6 +83,7 @@ class Checkpointer:
         self.cfg, self.dims, self.acc, self.engine = cfg, dims, acc, engine
         self.model_cfg, self.log = model_cfg, log
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self._pending: tuple[threading.Thread, dict] | None = None
 
     def _topology(self) -> dict:
         from megatron_lite.training.engine import zero_stage
@@ -107,7 +118,7 @@ class Checkpointer:
             "consumed_tokens": consumed_samples * self.cfg.data.seq_length,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "topology": self._topology(),
-            "model": {k: getattr(self.model_cfg, k) for k in ARCHITECTURE},
+            "model": architecture(self.model_cfg),
             "data": {"seq_length": self.cfg.data.seq_length, "tokenizer": self.cfg.data.tokenizer.type},
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "python": platform.python_version()},
@@ -115,10 +126,15 @@ class Checkpointer:
             "config": to_yaml(self.cfg),
         }
 
-    def save(self, step: int, consumed_samples: int) -> Path:
-        """Collective. Returns the committed directory; raises ``CheckpointError`` on every rank
-        if any rank failed (the partial directory is removed, ``latest`` untouched)."""
+    def save(self, step: int, consumed_samples: int, background: bool = False) -> Path | None:
+        """Collective. Snapshots this rank's state to host memory, then writes and commits it:
+        here (returns the committed directory), or with ``background`` in a thread while training
+        goes on (returns None; ``wait`` gives the outcome). A failure on any rank raises
+        ``CheckpointError`` on every rank; the partial directory is removed, ``latest`` untouched.
+        """
         assert self.root is not None
+        if self._pending is not None:
+            raise RuntimeError("a background save is still in flight: call wait() first")
         root, rank = self.root, self.dims.rank
         tmp = root / f".tmp-{store.step_name(step)}"
         error: BaseException | None = None
@@ -130,45 +146,78 @@ class Checkpointer:
             except OSError as e:
                 error = CheckpointError(f"cannot create {tmp}: {e}")
         raise_together(error)
-
         try:
-            data, error_text = store.serialize(self._rank_state(step)), None
-        except Exception as e:  # reported on every rank below
+            snapshot, error_text = self._rank_state(step), None
+        except Exception as e:  # reported on every rank by _write_and_commit
+            snapshot, error_text = None, f"rank {rank}: {type(e).__name__}: {e}"
+        if not background:
+            return self._write_and_commit(step, consumed_samples, tmp, snapshot, error_text, None)
+
+        # The writer's collectives use a gloo group of their own, so they never interleave with
+        # the training step's.
+        group = self.dims.group("checkpoint")
+        outcome: dict = {}
+
+        def work() -> None:
+            try:
+                outcome["path"] = self._write_and_commit(step, consumed_samples, tmp, snapshot,
+                                                         error_text, group)
+                self.log(f"saved checkpoint {outcome['path']} (in the background)")
+            except BaseException as e:  # handed to wait()
+                outcome["error"] = e
+
+        thread = threading.Thread(target=work, name=f"checkpoint-{step}", daemon=True)
+        thread.start()
+        self._pending = (thread, outcome)
+        return None
+
+    def wait(self) -> Path | None:
+        """Finish the background save in flight, if any: its directory, or its error raised."""
+        if self._pending is None:
+            return None
+        thread, outcome = self._pending
+        thread.join()
+        self._pending = None
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["path"]
+
+    def _write_and_commit(self, step: int, consumed_samples: int, tmp: Path, snapshot: dict | None,
+                          error_text: str | None, group) -> Path:
+        root, rank = self.root, self.dims.rank
+        try:
+            data = store.serialize(snapshot) if snapshot is not None else b""
+        except Exception as e:
             data, error_text = b"", f"rank {rank}: {type(e).__name__}: {e}"
-        sizes = _all_gather((len(data), error_text))
+        sizes = _all_gather((len(data), error_text), group)
         failed = [err for _, err in sizes if err]
         if not failed and rank == 0 and self.cfg.checkpoint.check_free_space:
             need, free = sum(n for n, _ in sizes), shutil.disk_usage(tmp).free
             if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
                 failed = [f"not enough free space in {root}: the checkpoint needs {need / 2**20:.1f} MiB, "
                           f"{free / 2**20:.1f} MiB are free"]
-        failed = _broadcast(failed)
+        failed = _broadcast(failed, group)
         if not failed:
             try:
                 entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
             except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
                 entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-            entries = _all_gather(entry)
+            entries = _all_gather(entry, group)
             failed = [e["error"] for e in entries if not e["ok"]]
+        if not failed and rank == 0:
+            try:
+                files = [{k: e[k] for k in ("name", "bytes", "sha256")} for e in entries]
+                store.commit(root, tmp, self._manifest(step, consumed_samples, files))
+                self._apply_retention(step)
+            except OSError as e:
+                failed = [f"committing: {e}"]
+        failed = _broadcast(failed, group)
         if failed:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving step {step} to {root} failed; the previous checkpoint is "
                                   "kept:\n  " + "\n  ".join(failed))
-
-        final: Path | None = None
-        error = None
-        if rank == 0:
-            try:
-                files = [{k: e[k] for k in ("name", "bytes", "sha256")} for e in entries]
-                final = store.commit(root, tmp, self._manifest(step, consumed_samples, files))
-                self._apply_retention(step)
-            except OSError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = CheckpointError(f"committing step {step} in {root} failed ({e}); the "
-                                        "previous checkpoint is kept")
-        raise_together(error)
-        return root / store.step_name(step) if final is None else final
+        return root / store.step_name(step)
 
     def _apply_retention(self, newest: int) -> None:
         ck = self.cfg.checkpoint
@@ -216,10 +265,11 @@ class Checkpointer:
         return None
 
     def _check_architecture(self, manifest: dict, path: Path) -> None:
-        saved = manifest["model"]
-        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, recipe {getattr(self.model_cfg, k)!r}"
-                for k in ARCHITECTURE if saved.get(k) != getattr(self.model_cfg, k)]
-        if manifest["data"]["seq_length"] != self.cfg.data.seq_length:
+        saved, current = manifest["model"], architecture(self.model_cfg)
+        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, recipe {current[k]!r}"
+                for k in ARCHITECTURE if saved.get(k) != current[k]]
+        saved_length = manifest["data"]["seq_length"]
+        if saved_length is not None and saved_length != self.cfg.data.seq_length:
             diff.append(f"data.seq_length: checkpoint {manifest['data']['seq_length']}, recipe "
                         f"{self.cfg.data.seq_length}")
         if diff and self.cfg.checkpoint.strict_model:
@@ -265,7 +315,7 @@ class Checkpointer:
         engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
         same_layout = self._topology() == manifest["topology"]
         own = states.get(store.rank_file(self.dims.rank))
-        if same_layout and own is not None:
+        if same_layout and own is not None and own["rng"] is not None:
             rng = own["rng"]
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])

@@ -228,6 +228,10 @@ class CheckpointConfig:
     step how old the last good checkpoint is."""
     max_save_failures: int = 1
     """Consecutive failed saves that stop the run under ``on_save_failure: stop``."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: training is blocked only while the state is
+    copied to host memory. At most one save is in flight; the next save and the end of the run
+    wait for it, and its failure is handled like a failed synchronous save."""
     check_free_space: bool = True
     """Before writing, compare the checkpoint's size with the free space of ``dir`` and fail the
     save cleanly if it does not fit (turn off where the filesystem misreports free space)."""

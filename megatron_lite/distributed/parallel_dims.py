@@ -99,6 +99,8 @@ class ParallelDims:
             # Small host-side agreements (stop on a signal, time to save) over gloo, so that
             # asking does not synchronise with the accelerator.
             self.groups["control"] = dist.new_group(backend="gloo")
+            # A background checkpoint writer's collectives, apart from the training step's.
+            self.groups["checkpoint"] = dist.new_group(backend="gloo")
 
     def group(self, name: str):
         """The process group of this rank along ``name`` (None: the whole world of one rank)."""

@@ -59,6 +59,7 @@ class Trainer:
         self.control = RunControl(cfg, dims)
         self.save_failures = 0
         self.last_good: tuple[int, int] | None = None  # (step, consumed samples) of the last save
+        self.pending_save: tuple[int, int] | None = None  # a background save in flight
 
     # ---- checkpoints ----
     def maybe_resume(self) -> None:
@@ -70,23 +71,48 @@ class Trainer:
             self.last_good = loaded
 
     def save(self) -> None:
-        """Save; a failure is reported everywhere and handled by ``checkpoint.on_save_failure``."""
-        ck, st = self.cfg.checkpoint, self.state
+        """Save (in the background with ``checkpoint.async_save``); a failure is reported
+        everywhere and handled by ``checkpoint.on_save_failure``."""
+        self.finish_background_save()
+        st = self.state
         try:
-            path = self.checkpointer.save(st.step, st.consumed_samples)
+            path = self.checkpointer.save(st.step, st.consumed_samples,
+                                          background=self.cfg.checkpoint.async_save)
         except CheckpointError as e:
-            self.save_failures += 1
-            self.log(f"error: checkpoint save failed ({self.save_failures} in a row): {e}")
-            self.logger.event(st.step, "checkpoint_save_failed", str(e), failures=self.save_failures)
-            if ck.on_save_failure == "stop" and self.save_failures >= ck.max_save_failures:
-                raise CheckpointError(f"{e}\nstopping: checkpoint.on_save_failure=stop "
-                                      f"(checkpoint.max_save_failures={ck.max_save_failures})") from None
+            self._save_failed(e, st.step)
             return
         finally:
             self.control.saved()
+        if path is None:
+            self.pending_save = (st.step, st.consumed_samples)
+        else:
+            self._save_succeeded((st.step, st.consumed_samples))
+            self.log(f"saved checkpoint {path}")
+
+    def finish_background_save(self) -> None:
+        """Collective: wait for the save in flight and account for its outcome."""
+        if self.pending_save is None:
+            return
+        pending, self.pending_save = self.pending_save, None
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as e:
+            self._save_failed(e, pending[0])
+            return
+        self._save_succeeded(pending)
+
+    def _save_succeeded(self, saved: tuple[int, int]) -> None:
         self.save_failures = 0
-        self.last_good = (st.step, st.consumed_samples)
-        self.log(f"saved checkpoint {path}")
+        self.last_good = saved
+
+    def _save_failed(self, error: CheckpointError, step: int) -> None:
+        ck = self.cfg.checkpoint
+        self.save_failures += 1
+        self.log(f"error: checkpoint save failed ({self.save_failures} in a row): {error}")
+        self.logger.event(step, "checkpoint_save_failed", str(error), failures=self.save_failures)
+        if ck.on_save_failure == "stop" and self.save_failures >= ck.max_save_failures:
+            raise CheckpointError(f"{error}\nstopping: checkpoint.on_save_failure=stop "
+                                  f"(checkpoint.max_save_failures={ck.max_save_failures})") from None
 
     def _warn_if_checkpoint_is_old(self) -> None:
         if not self.save_failures:
@@ -186,6 +212,8 @@ class Trainer:
                 break
             if st.step % t.log_interval == 0 or last:
                 interval_start = time.perf_counter()  # evaluation and saving are not step time
+        if self.checkpointer is not None:
+            self.finish_background_save()
         result.steps = st.step
         return result
 

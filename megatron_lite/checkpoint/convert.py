@@ -1,0 +1,99 @@
+"""Checkpoints to and from whole-model form: plain state dicts and Hugging Face directories.
+
+Single process, no DeepSpeed: fragments are assembled from the rank files directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.checkpointer import architecture
+from megatron_lite.checkpoint.shards import Assembler, Fragment
+from megatron_lite.config.schema import ModelConfig
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint directory, or a checkpoint root (then the one ``latest`` names)."""
+    if (path / store.MANIFEST).is_file():
+        return path
+    latest = store.read_latest(path)
+    if latest is None:
+        raise store.CheckpointError(f"{path} is neither a checkpoint nor a directory with '{store.LATEST}'")
+    return latest
+
+
+def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
+    """(manifest, model config, full fp32 weights by plain-model name) of a verified checkpoint."""
+    path = resolve(path)
+    manifest = store.read_manifest(path)
+    store.verify(path, manifest)
+    fragments = []
+    for entry in manifest["files"]:
+        state = torch.load(path / entry["name"], map_location="cpu", weights_only=False, mmap=True)
+        fragments += [Fragment.from_dict(d) for d in state["fragments"]]
+    assembler = Assembler(fragments)
+    weights = {name: assembler.full(name, "param") for name in sorted(assembler.names())}
+    fields = dict(manifest["model"])
+    fields["max_seq_len"] = manifest.get("data", {}).get("seq_length") or fields.get("max_seq_len")
+    return manifest, ModelConfig(**fields), weights
+
+
+def export_hf(path: Path, out: Path, tokenizer: Path | None = None) -> Path:
+    """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+    (safetensors + config), with the tokenizer files when ``tokenizer`` is a Hugging Face
+    tokenizer directory."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lite.model.hf_convert import to_hf
+
+    _, cfg, weights = read_model(path)
+    if cfg.tie_embeddings:
+        weights["lm_head.weight"] = weights["tok_emb.weight"]
+    hf_cfg, hf_sd = to_hf(weights, cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    model.load_state_dict(hf_sd, strict=False)
+    missing = [k for k in model.state_dict() if k not in hf_sd and not k.endswith("attn.bias")
+               and not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"no weights for {missing[:5]} in the converted checkpoint")
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None and (tokenizer / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    return out
+
+
+def import_hf(hf_dir: Path, root: Path) -> Path:
+    """A step-0 checkpoint in ``root`` holding the weights of a Hugging Face Llama or GPT-2
+    directory (Adam moments zero): ``pretrain.py RECIPE checkpoint.dir=ROOT`` starts from it."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lite.model.hf_convert import from_hf
+
+    cfg, sd = from_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))
+    fragments = []
+    for name, tensor in sd.items():
+        if cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        flat = tensor.detach().float().reshape(-1).clone()
+        fragments.append(Fragment(name, tuple(tensor.shape), None, 0,
+                                  {"param": flat, "exp_avg": torch.zeros_like(flat),
+                                   "exp_avg_sq": torch.zeros_like(flat)}).to_dict())
+    tmp = root / f".tmp-{store.step_name(0)}"
+    tmp.mkdir(parents=True)
+    state = {"rank": 0, "fragments": fragments, "rng": None,
+             "trainer": {"scheduler": None, "adam_step": 0.0, "global_steps": 0, "global_samples": 0}}
+    files = [store.write_rank_file(tmp, 0, state)]
+    manifest = {
+        "format": store.FORMAT_VERSION, "step": 0, "consumed_samples": 0, "consumed_tokens": 0,
+        "topology": {"imported_from": str(hf_dir)},
+        "model": architecture(cfg),
+        "data": {"seq_length": None, "tokenizer": None}, "files": files,
+        "config": json.dumps({"imported_from": str(hf_dir)}),
+    }
+    return store.commit(root, tmp, manifest)
