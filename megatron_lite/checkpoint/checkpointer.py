@@ -200,6 +200,7 @@ class Checkpointer:
         if not failed:
             try:
                 entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
+                store.crash_point("after_rank_file", rank)
             except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
                 entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
             entries = _all_gather(entry, group)

@@ -20,7 +20,7 @@ import io
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import signal
 from pathlib import Path
 
 import torch
@@ -92,15 +92,10 @@ def commit(root: Path, tmp: Path, manifest: dict) -> Path:
     else:
         os.replace(tmp, final)
     fsync_dir(root)
+    crash_point("before_latest", 0)
     write_bytes_durably(root / LATEST, (final.name + "\n").encode())
     fsync_dir(root)
     return final
-
-
-@dataclass
-class Committed:
-    path: Path
-    manifest: dict
 
 
 def read_manifest(path: Path) -> dict:
@@ -156,11 +151,28 @@ def read_latest(root: Path) -> Path | None:
 
 
 def remove_stale(root: Path) -> list[Path]:
-    """Remove saves that never committed (``.tmp-*``, ``.old-*``); returns what was removed."""
-    stale = [p for p in root.glob(".tmp-*")] + [p for p in root.glob(".old-*")]
+    """Remove saves that never committed (``.tmp-*``) and replaced copies (``.old-*``); a copy
+    whose replacement never arrived is put back. Returns what was removed."""
+    stale = list(root.glob(".tmp-*"))
+    for old in root.glob(".old-*"):
+        original = root / old.name[len(".old-"):]
+        if original.exists():
+            stale.append(old)
+        else:
+            os.replace(old, original)
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
+
+
+def crash_point(name: str, rank: int) -> None:
+    """Fault injection for the crash-safety tests: with ``MEGATRON_LITE_CRASH_AT=NAME`` (or
+    ``NAME:RANK``) in the environment, the process kills itself (SIGKILL) at that point of a
+    save: ``after_rank_file`` (its file written, the commit not done) or ``before_latest``
+    (committed, ``latest`` not yet moved)."""
+    wanted = os.environ.get("MEGATRON_LITE_CRASH_AT")
+    if wanted and wanted in (name, f"{name}:{rank}"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def retained(steps: list[int], keep_last: int, keep_every: int, protect: set[int]) -> set[int]:

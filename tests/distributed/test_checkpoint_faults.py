@@ -100,3 +100,29 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
     assert not list((small_fs / "ck").glob(".tmp-*"))  # the partial save was removed
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("crash", ["after_rank_file:1", "before_latest"])
+def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, crash):
+    """A rank really dies (SIGKILL) inside the second save: after its shard is written but before
+    the commit, or after the commit but before ``latest`` moved. ``latest`` still names the first
+    checkpoint and the run resumes from it to the same losses as an uninterrupted run."""
+    args = _args(tmp_path, "training.iters=6", "parallel.zero_stage=1")
+    check(run_pretrain([*args, f"logging.dir={tmp_path}/full"], nproc=2))
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a"]
+    env = {**cpu_env(), "MEGATRON_LITE_CRASH_AT": crash}
+    # The crash point fires at every save; the first save must succeed, so arm it from the second.
+    first = subprocess.run([c for c in cmd if c != "training.iters=6"] + ["training.iters=2"], cwd=REPO,
+                           env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    crashed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert crashed.returncode != 0
+    assert (tmp_path / "ck/latest").read_text().strip() == "step_00000002"
+    proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b"], nproc=2))
+    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+    want, got = _records(tmp_path / "full", 3), _records(tmp_path / "b", 1)
+    assert [r["step"] for r in got] == [3, 4, 5, 6]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]

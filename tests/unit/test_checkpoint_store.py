@@ -110,3 +110,10 @@ def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
     assert sorted(p.name for p in store.committed_steps(tmp_path)) == [
         "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
     assert store.retained([1, 2, 3], keep_last=1, keep_every=0, protect={2}) == {2, 3}
+
+
+def test_a_replaced_copy_whose_replacement_never_arrived_is_put_back(tmp_path):
+    path = _save(tmp_path, 3)
+    path.rename(tmp_path / ".old-step_00000003")  # crashed between the two renames of a re-save
+    assert store.remove_stale(tmp_path) == []
+    store.verify(path, store.read_manifest(path))
