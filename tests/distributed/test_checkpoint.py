@@ -97,3 +97,13 @@ def test_corrupt_checkpoint_stops_the_run_naming_the_file(tmp_path):
     proc = check(run_pretrain([*_args(tmp_path, "training.iters=6"), *ck, "checkpoint.load_fallback=true",
                                f"logging.dir={tmp_path}/c"]))
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_retention_after_ten_saves(tmp_path, async_save):
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=1", "checkpoint.keep_last=3",
+          "checkpoint.keep_every=4", f"checkpoint.async_save={str(async_save).lower()}"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=10"), *ck, f"logging.dir={tmp_path}/run"]))
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert kept == ["latest", "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
+    assert (tmp_path / "ck/latest").read_text().strip() == "step_00000010"
