@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
 
     from megatron_lite.checkpoint import CheckpointError
     from megatron_lite.distributed import TopologyError
+    from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.run import run
 
     try:
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     except TopologyError as e:
         _report_once(e)
         return 2
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +20,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.shards import Assembler, Fragment, load_fragments, local_fragments
+from megatron_lite.checkpoint.shards import (
+    Assembler,
+    Fragment,
+    load_fragments,
+    local_fragments,
+    torch_optimizer,
+)
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.distributed.parallel_dims import ParallelDims, raise_together
+from megatron_lite.distributed.parallel_dims import ParallelDims, broadcast_object, raise_together
 from megatron_lite.model.transformer import ffn_hidden_size
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
@@ -48,33 +55,29 @@ def _all_gather(obj, group=None) -> list:
     return [obj]
 
 
-def _broadcast(obj, group=None):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-    return obj
-
-
-def _torch_optimizer(engine) -> torch.optim.Optimizer:
-    opt = engine.optimizer
-    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
-        opt = opt.optimizer
-    return opt
-
-
 def _adam_step(engine) -> float:
-    for state in _torch_optimizer(engine).state.values():
+    for state in torch_optimizer(engine).state.values():
         if "step" in state:
             return float(state["step"])
     return 0.0
 
 
 def _set_adam_step(engine, step: float) -> None:
-    for state in _torch_optimizer(engine).state.values():
+    for state in torch_optimizer(engine).state.values():
         if "step" in state:
             old = state["step"]
             state["step"] = (torch.full_like(old, step) if isinstance(old, torch.Tensor) else step)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``Checkpointer.load`` restored."""
+
+    step: int
+    consumed_samples: int
+    extra: dict | None
+    """The trainer state given to ``save(extra=...)`` (None in checkpoints without it)."""
+    path: Path
 
 
 class Checkpointer:
@@ -93,7 +96,7 @@ class Checkpointer:
                 "ulysses": d.ulysses, "zero_stage": zero_stage(self.cfg)}
 
     # ---------------------------------------------------------------- save
-    def _rank_state(self, step: int) -> dict:
+    def _rank_state(self, step: int, extra: dict | None) -> dict:
         state = {
             "rank": self.dims.rank,
             "fragments": [f.to_dict() for f in local_fragments(self.engine, self.dims)],
@@ -107,6 +110,7 @@ class Checkpointer:
                 "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
                 "adam_step": _adam_step(engine),
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "extra": extra,
             }
         return state
 
@@ -126,11 +130,13 @@ class Checkpointer:
             "config": to_yaml(self.cfg),
         }
 
-    def save(self, step: int, consumed_samples: int, background: bool = False) -> Path | None:
+    def save(self, step: int, consumed_samples: int, background: bool = False,
+             extra: dict | None = None) -> Path | None:
         """Collective. Snapshots this rank's state to host memory, then writes and commits it:
         here (returns the committed directory), or with ``background`` in a thread while training
         goes on (returns None; ``wait`` gives the outcome). A failure on any rank raises
         ``CheckpointError`` on every rank; the partial directory is removed, ``latest`` untouched.
+        ``extra``: more trainer state (rank 0's is kept), given back by ``load``.
         """
         assert self.root is not None
         if self._pending is not None:
@@ -147,7 +153,7 @@ class Checkpointer:
                 error = CheckpointError(f"cannot create {tmp}: {e}")
         raise_together(error)
         try:
-            snapshot, error_text = self._rank_state(step), None
+            snapshot, error_text = self._rank_state(step, extra), None
         except Exception as e:  # reported on every rank by _write_and_commit
             snapshot, error_text = None, f"rank {rank}: {type(e).__name__}: {e}"
         if not background:
@@ -196,7 +202,7 @@ class Checkpointer:
             if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
                 failed = [f"not enough free space in {root}: the checkpoint needs {need / 2**20:.1f} MiB, "
                           f"{free / 2**20:.1f} MiB are free"]
-        failed = _broadcast(failed, group)
+        failed = broadcast_object(failed, group)
         if not failed:
             try:
                 entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
@@ -212,7 +218,7 @@ class Checkpointer:
                 self._apply_retention(step)
             except OSError as e:
                 failed = [f"committing: {e}"]
-        failed = _broadcast(failed, group)
+        failed = broadcast_object(failed, group)
         if failed:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -277,18 +283,51 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written for a different model:\n  " + "\n  ".join(diff)
                                   + "\nset checkpoint.strict_model=false to load it anyway")
 
-    def load(self) -> tuple[int, int] | None:
-        """Collective. (step, consumed_samples) of the checkpoint loaded, None for a fresh start."""
+    def rollback_target(self, newest_step: int) -> Path | None:
+        """Collective. The newest committed, verified checkpoint at or before ``newest_step``."""
+        found = None
+        if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
+            for path in store.committed_steps(self.root):
+                try:
+                    manifest = store.read_manifest(path)
+                    if manifest["step"] <= newest_step:
+                        store.verify(path, manifest)
+                        found = path
+                        break
+                except CheckpointError as e:
+                    self.log(f"warning: not rolling back to {path}: {e}")
+        return broadcast_object(found)
+
+    def abandon_after(self, path: Path, reason: str) -> list[Path]:
+        """Collective. Make ``path`` the latest checkpoint: newer ones are moved (not deleted)
+        to ``abandoned/`` so neither a resume nor retention picks them up."""
+        moved, error = [], None
+        if self.dims.rank == 0:
+            try:
+                moved = store.abandon_after(self.root, path, reason)
+            except OSError as e:
+                error = CheckpointError(f"cannot move checkpoints newer than {path} aside: {e}")
+        raise_together(error)
+        return broadcast_object(moved)
+
+    def load(self, target: Path | None = None) -> Loaded | None:
+        """Collective. Loads the checkpoint to resume from (``target``: that one) and returns
+        what the trainer needs of it; None for a fresh start."""
         chosen, error = None, None
         if self.dims.rank == 0:
             try:
-                chosen = self._choose()
+                if target is not None:
+                    manifest = store.read_manifest(target)
+                    store.verify(target, manifest)
+                    chosen = (target, manifest)
+                else:
+                    chosen = self._choose()
                 if chosen is not None:
                     self._check_architecture(chosen[1], chosen[0])
             except CheckpointError as e:
                 error = e
         raise_together(error)
-        chosen = _broadcast(chosen)
+        chosen = broadcast_object(chosen)
         if chosen is None:
             return None
         path, manifest = chosen
@@ -323,6 +362,6 @@ class Checkpointer:
             torch.set_rng_state(rng["torch"])
             if rng["device"] is not None:
                 self.acc.set_rng_state(rng["device"])
-        self.log(f"resumed from {path} at step {manifest['step']}"
+        self.log(f"{'resumed' if target is None else 'reloaded'} {path} at step {manifest['step']}"
                  + ("" if same_layout else f" (saved with layout {manifest['topology']})"))
-        return manifest["step"], manifest["consumed_samples"]
+        return Loaded(manifest["step"], manifest["consumed_samples"], trainer.get("extra"), path)

@@ -57,7 +57,8 @@ def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Para
         yield p
 
 
-def _torch_optimizer(engine) -> torch.optim.Optimizer:
+def torch_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, bf16)."""
     opt = engine.optimizer
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
@@ -67,7 +68,7 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer:
 def ensure_optimizer_state(engine) -> None:
     """Give every parameter of the optimizer an Adam state (zeros where no step was taken yet) and
     have DeepSpeed's ZeRO 1/2 link its per-parameter views to it: both are lazy otherwise."""
-    opt = _torch_optimizer(engine)
+    opt = torch_optimizer(engine)
     fused = bool(opt.defaults.get("fused"))
     flat = [p for group in opt.param_groups for p in group["params"]]
     # ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside param_groups.
@@ -120,7 +121,7 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
         else:  # no ZeRO: every data-parallel replica holds everything; the first one writes
             if dims.dp_rank != 0 or dims.sp_rank != 0:
                 continue
-            plain_opt = plain_opt or _torch_optimizer(engine)
+            plain_opt = plain_opt or torch_optimizer(engine)
             state = plain_opt.state.get(p, {})
             start = 0
             tensors = {"param": p.detach().float().cpu().reshape(-1).clone()}
@@ -202,7 +203,7 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
             for key in STATE_KEYS:
                 safe_set_local_optimizer_state(p, padded[key], key)
         else:
-            plain_opt = plain_opt or _torch_optimizer(engine)
+            plain_opt = plain_opt or torch_optimizer(engine)
             p.data.copy_(values["param"].view_as(p).to(p.dtype))
             state = plain_opt.state.setdefault(p, {})
             for key in STATE_KEYS:

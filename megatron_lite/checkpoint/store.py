@@ -165,6 +165,25 @@ def remove_stale(root: Path) -> list[Path]:
     return stale
 
 
+def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
+    """Rank 0: move every committed checkpoint newer than ``keep`` into ``root/abandoned/``
+    (suffixed with ``reason``), then point ``latest`` at ``keep``. Returns the new paths."""
+    moved = []
+    aside = root / "abandoned"
+    for path in committed_steps(root):
+        if path.name <= keep.name:
+            continue
+        aside.mkdir(exist_ok=True)
+        target = aside / f"{path.name}-{reason}"
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(path, target)
+        moved.append(target)
+    fsync_dir(root)
+    write_bytes_durably(root / LATEST, (keep.name + "\n").encode())
+    fsync_dir(root)
+    return moved
+
+
 def crash_point(name: str, rank: int) -> None:
     """Fault injection for the crash-safety tests: with ``MEGATRON_LITE_CRASH_AT=NAME`` (or
     ``NAME:RANK``) in the environment, the process kills itself (SIGKILL) at that point of a

@@ -238,6 +238,46 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class RollbackConfig:
+    min_steps_back: int = 1
+    """Reload the newest committed checkpoint at least this many steps before the spiking step
+    (checkpoints closer to the spike may already carry its cause)."""
+    skip_batches: int = 200
+    """Global batches skipped after the spiking one (PaLM skipped 200–500); the data from the
+    reloaded checkpoint's position through the spike is skipped too."""
+    max_rollbacks: int = 5
+    """Rollbacks allowed in the whole run; the next one stops the run with an error."""
+
+
+@dataclass(frozen=True)
+class SpikesConfig:
+    policy: str = choice("log", "skip_step", "rollback")
+    """What a loss or gradient-norm spike does: ``log`` records it; ``skip_step`` leaves the
+    parameters and optimizer state untouched for that step (the LR schedule and the data
+    position still advance); ``rollback`` reloads an earlier checkpoint and skips the data
+    window that led to the spike (``spikes.rollback``)."""
+    nonfinite_policy: str = choice("skip_step", "rollback")
+    """What a NaN/Inf loss or gradient (on any rank) does; it is never applied."""
+    max_consecutive_nonfinite: int = 5
+    """Stop the run after this many non-finite steps in a row."""
+    window: int = 100
+    """Steps in the running window of losses and gradient norms (median and MAD)."""
+    warmup_steps: int = 20
+    """Finite steps observed before detection starts (the first losses fall too fast to judge)."""
+    loss_z: float = 6.0
+    """A loss is a spike when it is this many robust standard deviations (1.4826·MAD) above the
+    window's median ...; 0 turns loss detection off."""
+    loss_ratio: float = 1.05
+    """... and at least this factor above the median (keeps a flat window from flagging noise)."""
+    grad_norm_z: float = 6.0
+    """Like ``loss_z`` for the gradient norm before clipping; 0 turns it off."""
+    grad_norm_ratio: float = 2.0
+    """Like ``loss_ratio`` for the gradient norm."""
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    """Where ``rollback`` goes back to and how much data it skips."""
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     dir: str = "runs/default"
     """Run directory: receives ``config.yaml``, ``metrics.jsonl`` and the TensorBoard events."""
@@ -269,6 +309,8 @@ class Config:
     """Loop, batch and budget."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    spikes: SpikesConfig = field(default_factory=SpikesConfig)
+    """Loss-spike and non-finite step detection, provenance and policies."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Run directory and loggers."""
     deepspeed: dict[str, Any] = field(default_factory=dict)

@@ -115,6 +115,26 @@ def validate(cfg: Config) -> list[str]:
     for key in ("save_interval", "keep_last", "keep_every"):
         value = getattr(cfg.checkpoint, key)
         need(value >= 0, f"'checkpoint.{key}' = {value} must be 0 or more")
+    problems.extend(_spike_problems(cfg))
+    return problems
+
+
+def _spike_problems(cfg: Config) -> list[str]:
+    sp, problems = cfg.spikes, []
+    for key in ("window", "max_consecutive_nonfinite"):
+        if getattr(sp, key) < 1:
+            problems.append(f"'spikes.{key}' = {getattr(sp, key)} must be at least 1")
+    for key in ("warmup_steps", "loss_z", "loss_ratio", "grad_norm_z", "grad_norm_ratio"):
+        if getattr(sp, key) < 0:
+            problems.append(f"'spikes.{key}' = {getattr(sp, key)} must be 0 or more")
+    rb = sp.rollback
+    for key in ("min_steps_back", "skip_batches", "max_rollbacks"):
+        if getattr(rb, key) < 0:
+            problems.append(f"'spikes.rollback.{key}' = {getattr(rb, key)} must be 0 or more")
+    if "rollback" in (sp.policy, sp.nonfinite_policy) and not cfg.checkpoint.dir:
+        key = "spikes.policy" if sp.policy == "rollback" else "spikes.nonfinite_policy"
+        problems.append(f"'{key}' = 'rollback' reloads checkpoints: set 'checkpoint.dir' (and "
+                        "'checkpoint.save_interval') or choose 'skip_step'")
     return problems
 
 

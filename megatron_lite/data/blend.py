@@ -62,3 +62,7 @@ class BlendedSamples(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.datasets[int(self.which[i])][int(self.nth[i])]
+
+    def locate(self, i: int) -> dict:
+        """The source dataset's ``locate`` of the sample (see ``StreamDataset.locate``)."""
+        return self.datasets[int(self.which[i])].locate(int(self.nth[i]))

@@ -77,12 +77,39 @@ class StreamDataset(torch.utils.data.Dataset):
         n = self.split.windows_per_epoch
         return self.split.start + int(self._epoch(index // n)[index % n])
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def _opened(self) -> IndexedDataset:
         if self._data is None:
             self._data = IndexedDataset(self.split.prefix)
+        return self._data
+
+    def locate(self, index: int) -> dict:
+        """Where sample ``index`` comes from: ``{"dataset": prefix, "pieces": [[document, first
+        token, end token), ...]}`` (token offsets within each document)."""
+        start = self.start_of(index)
+        return {"dataset": self.split.prefix,
+                "pieces": stream_pieces(self._opened(), start, start + self.split.seq_length + 1)}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self._opened()
         start = self.start_of(index)
         window = self._data.tokens[start:start + self.split.seq_length + 1]
         return torch.from_numpy(window.astype(np.int64))
+
+
+def stream_pieces(data: IndexedDataset, start: int, end: int) -> list[list[int]]:
+    """The documents a token range [start, end) of the flat stream covers, as
+    ``[document, first token, end token)`` within each."""
+    first_token = data.pointers // data.dtype.itemsize  # (n_docs,) stream position of each doc
+    doc = int(np.searchsorted(first_token, start, side="right")) - 1
+    pieces = []
+    while start < end and doc < len(data):
+        doc_end = int(first_token[doc]) + int(data.lengths[doc])
+        if doc_end > start:
+            hi = min(end, doc_end)
+            pieces.append([doc, start - int(first_token[doc]), hi - int(first_token[doc])])
+            start = hi
+        doc += 1
+    return pieces
 
 
 def split_bounds(n: int, shares: tuple[float, float, float]) -> list[int]:
@@ -126,15 +153,45 @@ class DocumentSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} is beyond the {self.num_samples} planned for '{self.prefix}'")
+    def locate(self, i: int) -> dict:
+        """Where sample ``i`` comes from: ``{"dataset": prefix, "pieces": [[document, first
+        token, end token), ...]}`` (token offsets within each document)."""
+        j = int(self.index["shuffle"][i])
+        (p0, o0), (p1, o1) = self.index["sample"][j], self.index["sample"][j + 1]
+        lengths, doc_index = self._opened().lengths, self.index["document"]
+        pieces, remaining = [], self.seq_length + 1
+        for p in range(int(p0), int(p1) + 1):
+            d = int(doc_index[p])
+            lo = int(o0) if p == p0 else 0
+            hi = min(int(o1) + 1 if p == p1 else int(lengths[d]), lo + remaining)
+            if hi > lo:
+                pieces.append([d, lo, hi])
+                remaining -= hi - lo
+        return {"dataset": self.prefix, "pieces": pieces}
+
+    def _opened(self) -> IndexedDataset:
         if self._data is None:
             self._data = IndexedDataset(self.prefix)
             self._pointers = self._data.pointers // self._data.dtype.itemsize
-        d = self._data
+        return self._data
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} is beyond the {self.num_samples} planned for '{self.prefix}'")
+        d = self._opened()
         tokens = sample_tokens(d.tokens, self._pointers, d.lengths, self.index, i, self.seq_length)
         return torch.from_numpy(tokens.astype(np.int64))
+
+
+def past_skipped(position: int, skip: list[tuple[int, int]]) -> int:
+    """The first sample position at or after ``position`` outside every skipped range."""
+    moved = True
+    while moved:
+        moved = False
+        for start, end in skip:
+            if start <= position < end:
+                position, moved = end, True
+    return position
 
 
 class GlobalBatchSampler:
@@ -147,7 +204,7 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, consumed_samples: int, global_batch: int, micro_batch: int, dp_rank: int,
-                 dp_size: int, wrap: int | None = None):
+                 dp_size: int, wrap: int | None = None, skip: list[tuple[int, int]] = ()):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} is not a multiple of micro batch "
                              f"{micro_batch} × data-parallel size {dp_size}")
@@ -155,11 +212,13 @@ class GlobalBatchSampler:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.wrap = wrap  # validation repeats its windows modulo this
+        self.skip = list(skip)  # [start, end) sample ranges never served (rolled-back data)
 
     def __iter__(self) -> Iterator[list[int]]:
         per_rank = self.global_batch // self.dp_size
         step_start = self.consumed
         while True:
+            step_start = past_skipped(step_start, self.skip)
             first = step_start + self.dp_rank * per_rank
             for m in range(0, per_rank, self.micro_batch):
                 idx = list(range(first + m, first + m + self.micro_batch))

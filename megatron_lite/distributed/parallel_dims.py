@@ -293,6 +293,15 @@ def any_rank(flags: list[bool], dims: ParallelDims) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
+def broadcast_object(obj: T, group=None) -> T:
+    """Rank 0's ``obj`` on every rank (picklable objects)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return obj
+
+
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over all ranks (in place on a copy)."""
     out = values.clone()

@@ -3,6 +3,6 @@
 See ``apply.py`` for the order of a build and docs/parallelism.md for choosing a layout.
 """
 
-from megatron_lite.parallel.apply import assemble, build_parallel_model, local_shards, parallelize
+from megatron_lite.parallel.apply import build_parallel_model, local_shards, parallelize
 
-__all__ = ["assemble", "build_parallel_model", "local_shards", "parallelize"]
+__all__ = ["build_parallel_model", "local_shards", "parallelize"]

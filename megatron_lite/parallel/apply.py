@@ -49,7 +49,7 @@ class ScatterSequence(nn.Module):
         return comm.scatter_sequence(x, self.group)
 
 
-def _sum_grads_over_tensor_ranks(module: nn.Module, dims: ParallelDims) -> None:
+def sum_grads_over_tensor_ranks(module: nn.Module, dims: ParallelDims) -> None:
     for param in module.parameters():
         comm.sum_gradient_over(param, dims.group("tensor"))
 
@@ -74,7 +74,7 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
         if sp:
             # Norms and the row-parallel biases see a slice of the sequence on each rank.
             for module in (block.attn_norm, block.mlp_norm):
-                _sum_grads_over_tensor_ranks(module, dims)
+                sum_grads_over_tensor_ranks(module, dims)
             for bias in (attn.o_proj.bias, mlp.down_proj.bias):
                 if bias is not None:
                     comm.sum_gradient_over(bias, group)
@@ -104,7 +104,7 @@ def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Param
         owner.lm_head = VocabParallelLMHead(weight, dims.tp_rank, dims.group("tensor"),
                                             dims.sequence_parallel)
         if dims.sequence_parallel:
-            _sum_grads_over_tensor_ranks(owner.norm, dims)
+            sum_grads_over_tensor_ranks(owner.norm, dims)
     if dims.ulysses > 1:
         owner.lm_head = SequenceMeanLoss(owner.lm_head, dims.group("ulysses"), dims.ulysses)
 
@@ -169,15 +169,3 @@ def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, 
     """This rank's parameters by plain-model name, each with its slice (dim, rank, size) or None."""
     return {p.ml_name: (p.detach().cpu().clone(), getattr(p, "ml_shard", None))
             for p in module.parameters()}
-
-
-def assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
-    """The plain model's parameters from every rank's ``local_shards`` (replicas must agree)."""
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    dims: dict[str, int] = {}
-    for part in parts:
-        for name, (tensor, shard) in part.items():
-            dim, rank, _ = shard if shard is not None else (0, 0, 1)
-            dims[name] = dim
-            slices.setdefault(name, {})[rank] = tensor
-    return {name: torch.cat([s[r] for r in sorted(s)], dim=dims[name]) for name, s in slices.items()}

@@ -22,6 +22,7 @@ from megatron_lite.parallel.apply import (
     parallelize_block,
     parallelize_embedding,
     parallelize_head,
+    sum_grads_over_tensor_ranks,
     tag_names,
 )
 from megatron_lite.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -108,7 +109,7 @@ class HeadStage(_Stage):
         if self.lm_head is not None:
             parallelize_head(self, dims, None)
         elif dims.sequence_parallel:
-            parallelize_head_norm_only(self, dims)
+            sum_grads_over_tensor_ranks(self.norm, dims)
         self._finish(cfg, dims, device, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,12 +117,6 @@ class HeadStage(_Stage):
         if self.lm_head is None:
             return x
         return output_logits(x, self.lm_head.weight, self.dims)
-
-
-def parallelize_head_norm_only(owner: nn.Module, dims: ParallelDims) -> None:
-    from megatron_lite.parallel.apply import _sum_grads_over_tensor_ranks
-
-    _sum_grads_over_tensor_ranks(owner.norm, dims)
 
 
 def output_logits(x: torch.Tensor, weight: torch.Tensor, dims: ParallelDims) -> torch.Tensor:

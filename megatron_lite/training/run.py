@@ -12,6 +12,7 @@ from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data.build import ensure_dataset
+from megatron_lite.data.faults import with_injected_faults
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
@@ -34,6 +35,18 @@ def total_iters(cfg: Config, global_batch: int) -> int:
         return t.iters
     assert t.train_tokens is not None
     return math.ceil(t.train_tokens / (global_batch * cfg.data.seq_length))
+
+
+def train_samples(cfg: Config, iters: int, global_batch: int) -> int:
+    """Training samples to plan the data indices for: the steps' batches, plus, when spikes
+    may roll back, room for the skipped windows (each at most the distance back to a checkpoint
+    plus ``skip_batches``; the checkpoint is assumed at most ``save_interval`` back)."""
+    sp = cfg.spikes
+    batches = iters
+    if "rollback" in (sp.policy, sp.nonfinite_policy):
+        back = max(cfg.checkpoint.save_interval or iters, sp.rollback.min_steps_back) + 1
+        batches += sp.rollback.max_rollbacks * (back + sp.rollback.skip_batches)
+    return batches * global_batch
 
 
 def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
@@ -66,13 +79,15 @@ def run(cfg: Config) -> RunResult:
 
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims)
     iters = total_iters(cfg, dims.global_batch(cfg))
-    samples = (iters * dims.global_batch(cfg), cfg.training.eval_iters * dims.global_batch(cfg))
+    samples = (train_samples(cfg, iters, dims.global_batch(cfg)),
+               cfg.training.eval_iters * dims.global_batch(cfg))
     # One rank builds (and caches) the sample indices (one per node for node-local caches),
     # then every rank maps them.
     on_one_rank_then_all(lambda: build_data(cfg.data, *samples), dims,
                          per_node=not cfg.data.cache_shared)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False))
+    data.train = with_injected_faults(data.train, data.tokenizer.vocab_size)
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "

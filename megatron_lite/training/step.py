@@ -3,16 +3,28 @@
 The trainer and the layout tests drive the engine only through ``StepRunner``: it splits
 sequences for Ulysses, hands micro-batches to DeepSpeed's pipeline engine under pipeline
 parallelism, and clips gradients itself where DeepSpeed would not report the norm.
+
+Update gate (spike tracking): DeepSpeed owns the step from gradient reduction to the update,
+and its ZeRO, bf16 and pipeline paths differ, but all of them end in the torch optimizer's
+``step`` after the gradients are reduced and their norm is known. ``StepRunner.gate`` wraps that
+one method: on its first call in a step it reduces the loss over all ranks, reads the global
+gradient norm and asks a judge whether to apply the update. Declining leaves the parameters and
+the Adam state untouched while DeepSpeed still zeroes the gradients and advances the LR
+schedule. Where DeepSpeed skips the update itself (a non-finite gradient norm), the judge is
+asked after the step and the LR schedule is advanced here, so a skipped step always advances it.
+This costs one host synchronisation per step, as Megatron's own finite-gradient check does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from megatron_lite.checkpoint.shards import torch_optimizer
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.training.engine import trainer_clips_gradients
@@ -38,13 +50,90 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     return norm
 
 
+Judge = Callable[[float, "float | None", bool], bool]
+"""(mean loss over all ranks, global gradient norm, fp16 loss-scale overflow) -> apply the update?"""
+
+
+def injected_nan_step(rank: int) -> int | None:
+    """Fault injection for the spike tests: ``MEGATRON_LITE_NAN_LOSS=STEP[:RANK]`` makes the loss
+    of that step NaN on that rank (every rank without ``:RANK``)."""
+    wanted = os.environ.get("MEGATRON_LITE_NAN_LOSS")
+    if not wanted:
+        return None
+    step, _, only = wanted.partition(":")
+    return int(step) if not only or int(only) == rank else None
+
+
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int):
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
         self.pipelined = dims.pipeline > 1
         self.own_clipping = trainer_clips_gradients(cfg) and not self.pipelined
         self.grad_norm: torch.Tensor | None = None
+        self.judge: Judge | None = None
+        self.applied = True  # whether the last step's update was applied
+        self._armed = False
+        self._loss_sum: torch.Tensor | None = None
+        self._nan_step = injected_nan_step(dims.rank)
 
+    # ---------------------------------------------------------------- gate
+    def gate(self, judge: Judge) -> None:
+        """Ask ``judge`` before every update (see the module docstring)."""
+        self.judge = judge
+        opt = torch_optimizer(self.engine)
+        update = opt.step
+
+        def gated_step(*args, **kwargs):
+            if self._armed:
+                self._armed = False
+                self.applied = judge(self._mean_loss(), self._norm_now(), False)
+            if self.applied:
+                return update(*args, **kwargs)
+            opt._opt_called = True  # a declined update still counts as the step for torch's LR scheduler
+            return None
+
+        # torch's LR scheduler checks that the step it wrapped is still in place; it is, inside.
+        gated_step._wrapped_by_lr_sched = True
+        opt.step = gated_step
+
+    def _mean_loss(self) -> float:
+        """Mean micro-batch loss of this step over all ranks holding one (the last pipeline
+        stage under PP); NaN when any rank's is NaN."""
+        engine = self.engine
+        local = self._loss_sum
+        if self.pipelined:
+            local = engine.total_loss if engine.is_last_stage() else None
+        device = local.device if local is not None else torch.device(engine.device)
+        # float64: sums of identical float32 values divide back exactly.
+        t = torch.zeros(2, dtype=torch.float64, device=device)
+        if local is not None:
+            t[0], t[1] = local.detach().double().reshape(()), 1.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        return (t[0] / t[1] / self.grad_accum).item()
+
+    def _norm_now(self) -> float | None:
+        """The global gradient norm DeepSpeed (or our clipping) computed for this step."""
+        norm = self.grad_norm if self.own_clipping else getattr(self.engine.optimizer, "_global_grad_norm",
+                                                                 None)
+        if norm is None and not self.own_clipping:
+            norm = getattr(self.engine, "_global_grad_norm", None)  # pipeline ZeRO-0 fp32 clipping
+        return None if norm is None else float(norm)
+
+    def _after_step(self) -> None:
+        """The update was not reached (DeepSpeed skipped it): judge now, advance the schedule."""
+        if not self._armed:
+            return
+        self._armed = False
+        overflow = self.cfg.training.precision == "fp16"
+        assert self.judge is not None
+        self.judge(self._mean_loss(), math.inf, overflow)  # records the event; nothing was applied
+        self.applied = False
+        scheduler = self.engine.lr_scheduler
+        if scheduler is not None and not overflow:
+            scheduler.step()
+
+    # ---------------------------------------------------------------- steps
     def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T+1) token windows -> this rank's (inputs, targets)."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -57,27 +146,37 @@ class StepRunner:
         for batch in batches:
             yield self.split(batch.to(device, non_blocking=True))
 
-    def train_step(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
-        """One optimizer step over ``grad_accum`` micro-batches; returns the sum of the
-        micro-batch losses as a device tensor (no host sync)."""
+    def train_step(self, batches: Iterator[torch.Tensor], device, step: int | None = None) -> torch.Tensor:
+        """One optimizer step over ``grad_accum`` micro-batches (``step``: its 1-based number);
+        returns the sum of the micro-batch losses as a device tensor."""
         engine = self.engine
+        self._armed, self.applied = self.judge is not None, True
         if self.pipelined:
             loss = engine.train_batch(data_iter=self._pairs(batches, device))
             self.grad_norm = engine.get_global_grad_norm()
+            if self.judge is not None:
+                self._after_step()
             return loss.detach().float() * self.grad_accum
         loss_sum = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)
         for micro in range(self.grad_accum):
             inputs, targets = next(pairs)
             loss = engine(inputs, targets)
+            if micro == 0 and step is not None and step == self._nan_step:
+                loss = loss * float("nan")
             engine.backward(loss)
-            if self.own_clipping and micro == self.grad_accum - 1:
+            loss_sum += loss.detach().float()
+            last = micro == self.grad_accum - 1
+            if self.own_clipping and last:
                 self.grad_norm = clip_grad_norm(list(engine.module.parameters()),
                                                 self.cfg.optimizer.grad_clip, self.dims)
+            if last:
+                self._loss_sum = loss_sum
             engine.step()
-            loss_sum += loss.detach().float()
         if not self.own_clipping:
             self.grad_norm = engine.get_global_grad_norm()
+        if self.judge is not None:
+            self._after_step()
         return loss_sum
 
     @torch.no_grad()

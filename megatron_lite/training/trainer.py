@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_lite.checkpoint import Checkpointer, CheckpointError
+from megatron_lite.checkpoint import Checkpointer, CheckpointError, Loaded
 from megatron_lite.config.schema import Config
-from megatron_lite.data.gpt_dataset import GlobalBatchSampler
+from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean
+from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean, broadcast_object
 from megatron_lite.logging import MetricsLogger, console_line
+from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
 from megatron_lite.training.control import RunControl
 from megatron_lite.training.generate import sample
 from megatron_lite.training.step import StepRunner
@@ -56,6 +57,9 @@ class Trainer:
         self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
         self.state = TrainState()
         self.steps = StepRunner(cfg, dims, engine, self.grad_accum)
+        self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main,
+                                   getattr(data.train, "locate", None), log, logger)
+        self.steps.gate(self.spikes.judge)
         self.control = RunControl(cfg, dims)
         self.save_failures = 0
         self.last_good: tuple[int, int] | None = None  # (step, consumed samples) of the last save
@@ -63,12 +67,25 @@ class Trainer:
 
     # ---- checkpoints ----
     def maybe_resume(self) -> None:
-        if self.checkpointer is None or not self.cfg.checkpoint.resume:
-            return
-        loaded = self.checkpointer.load()
+        """Resume from the latest checkpoint (when there is one and resuming is on), with the
+        spike tracker's state; ``spikes.jsonl`` is cut back to match."""
+        loaded = None
+        if self.checkpointer is not None and self.cfg.checkpoint.resume:
+            loaded = self.checkpointer.load()
+        extra = loaded.extra if loaded is not None and loaded.extra else {}
+        self.spikes.resume(extra.get("spikes"), broadcast_object(self.spikes.read_log() if self.dims.is_main
+                                                                  else None))
         if loaded is not None:
-            self.state = TrainState(*loaded)
-            self.last_good = loaded
+            self._restore(loaded)
+
+    def _restore(self, loaded: Loaded) -> None:
+        # In place: the training loop holds this object.
+        self.state.step = loaded.step
+        self.state.consumed_samples = past_skipped(loaded.consumed_samples, self.spikes.skip)
+        self.last_good = (loaded.step, loaded.consumed_samples)
+
+    def _trainer_state(self) -> dict:
+        return {"spikes": self.spikes.state_dict()}
 
     def save(self) -> None:
         """Save (in the background with ``checkpoint.async_save``); a failure is reported
@@ -77,7 +94,8 @@ class Trainer:
         st = self.state
         try:
             path = self.checkpointer.save(st.step, st.consumed_samples,
-                                          background=self.cfg.checkpoint.async_save)
+                                          background=self.cfg.checkpoint.async_save,
+                                          extra=self._trainer_state())
         except CheckpointError as e:
             self._save_failed(e, st.step)
             return
@@ -127,9 +145,10 @@ class Trainer:
                  f"{tokens:,} tokens old; {self.save_failures} save(s) in a row failed")
 
     # ---- evaluation ----
-    def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool):
+    def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool,
+                 skip: list[tuple[int, int]] = ()):
         sampler = GlobalBatchSampler(consumed, self.global_batch, self.cfg.training.micro_batch_size,
-                                     self.dims.dp_rank, self.dims.data, wrap=wrap)
+                                     self.dims.dp_rank, self.dims.data, wrap=wrap, skip=skip)
         if not workers:
             return (torch.stack([dataset[i] for i in idx]) for idx in sampler)
         return self.data.loader(dataset, sampler)
@@ -174,31 +193,50 @@ class Trainer:
         return val, text
 
     # ---- training ----
+    def _train_batches(self):
+        return self._batches(self.data.train, self.state.consumed_samples, None,
+                             workers=self.data.num_workers > 0, skip=self.spikes.skip)
+
     def train(self) -> RunResult:
         cfg, engine, st = self.cfg, self.engine, self.state
         t = cfg.training
-        batches = self._batches(self.data.train, st.consumed_samples, None,
-                                workers=self.data.num_workers > 0)
+        batches = self._train_batches()
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
-        interval_steps, interval_start = 0, time.perf_counter()
+        # Steps and applied steps (whose losses are averaged) since the last log line.
+        interval_steps, loss_steps, interval_start = 0, 0, time.perf_counter()
         engine.train()
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
-            loss_sum += self.train_step(batches)
+            self.spikes.begin_step(StepContext(st.step + 1, st.consumed_samples, lr, self.global_batch))
+            step_loss = self.train_step(batches)
             st.step += 1
-            st.consumed_samples += self.global_batch
+            st.consumed_samples = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
+            action = self.spikes.end_step(st.consumed_samples)
+            if action == "stop":
+                raise SpikeStop(f"{self.cfg.spikes.max_consecutive_nonfinite} non-finite steps in a row "
+                                f"(spikes.max_consecutive_nonfinite) at step {st.step}; see "
+                                f"{self.spikes.path}")
+            if action == "rollback" and self.rollback():
+                batches = self._train_batches()
+                loss_sum.zero_()
+                interval_steps, loss_steps, interval_start = 0, 0, time.perf_counter()
+                continue
             interval_steps += 1
+            if self.steps.applied:
+                loss_sum += step_loss
+                loss_steps += 1
             last = st.step == self.total_iters
             if st.step % t.log_interval == 0 or last:
-                record = self._train_record(loss_sum / (interval_steps * self.grad_accum), lr,
-                                            interval_steps, time.perf_counter() - interval_start)
+                mean = loss_sum / (loss_steps * self.grad_accum) if loss_steps else loss_sum + math.nan
+                record = self._train_record(mean, lr, interval_steps, time.perf_counter() - interval_start)
+                record["skipped_steps"] = interval_steps - loss_steps
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters))
                 self._warn_if_checkpoint_is_old()
                 loss_sum.zero_()
-                interval_steps = 0
+                interval_steps = loss_steps = 0
             if (t.eval_interval and st.step % t.eval_interval == 0) or last:
                 result.final_val_loss, result.sample_text = self._eval_and_sample()
             ck = cfg.checkpoint
@@ -219,7 +257,36 @@ class Trainer:
 
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step; returns the summed micro-batch losses as a device tensor."""
-        return self.steps.train_step(batches, self.device)
+        return self.steps.train_step(batches, self.device, self.state.step + 1)
+
+    def rollback(self) -> bool:
+        """Collective. Reload the newest checkpoint at least ``spikes.rollback.min_steps_back``
+        steps before the spike and skip the data up to the spike plus ``skip_batches``; False
+        (the step stays skipped) when there is no such checkpoint."""
+        rb, st = self.cfg.spikes.rollback, self.state
+        spike_step = st.step
+        if self.checkpointer is None:
+            return False
+        self.finish_background_save()
+        target = self.checkpointer.rollback_target(spike_step - rb.min_steps_back)
+        if target is None:
+            self.spikes.record_note("rollback_unavailable", f"no committed checkpoint at or before step "
+                                    f"{spike_step - rb.min_steps_back}; the step was skipped instead")
+            return False
+        if self.spikes.rollbacks >= rb.max_rollbacks:
+            message = (f"a rollback is needed at step {spike_step} but spikes.rollback.max_rollbacks="
+                       f"{rb.max_rollbacks} were used; the data or the settings need a look (see "
+                       f"{self.spikes.path}; raise max_rollbacks to go on)")
+            self.spikes.record_note("stop", message)
+            raise SpikeStop(message)
+        self.checkpointer.abandon_after(target, f"rollback{self.spikes.rollbacks + 1}")
+        loaded = self.checkpointer.load(target)
+        assert loaded is not None
+        window = self.spikes.rollback_window(loaded.consumed_samples, st.consumed_samples)
+        self.spikes.record_rollback(loaded.step, str(target), window)
+        self.spikes.restore_statistics((loaded.extra or {}).get("spikes"))
+        self._restore(loaded)
+        return True
 
     def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
         loss = all_reduce_mean(mean_loss).item()
