@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,14 +37,35 @@ def char_overrides(tmp: Path) -> list[str]:
             f"data.tokenizer.model={tmp}/data/chars.json", f"logging.dir={tmp}/run"]
 
 
-def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+def pretrain_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "pretrain.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
-    return subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True,
-                          timeout=timeout)
+        return [sys.executable, str(REPO / "pretrain.py"), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
+
+
+def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(pretrain_command(args, nproc), cwd=REPO, env={**cpu_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_pretrain_and_kill(args: list[str], nproc: int, marker: str, env: dict[str, str] | None = None) -> str:
+    """Start pretrain.py, SIGKILL it (every process) as soon as ``marker`` is printed; returns
+    the output up to there."""
+    proc = subprocess.Popen(pretrain_command(args, nproc), cwd=REPO, env={**cpu_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen[-30:])
+    return "".join(seen)
 
 
 def _free_port() -> int:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import REPO, _free_port, char_overrides, check, cpu_env, read_metrics, run_pretrain
+from tests.conftest import char_overrides, check, read_metrics, run_pretrain, run_pretrain_and_kill
 
 
 def _args(tmp, *extra):
@@ -24,25 +19,6 @@ def _records(run_dir, first_step):
     return [r for r in read_metrics(run_dir) if "loss" in r and r["step"] >= first_step]
 
 
-def _run_and_kill_after_save(args, nproc, marker):
-    """Start pretrain.py, SIGKILL it (every process) as soon as ``marker`` is printed."""
-    if nproc == 1:
-        cmd = [sys.executable, str(REPO / "pretrain.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen[-30:])
-
-
 @pytest.mark.parametrize("nproc, layout", [
     (1, []), (2, ["parallel.zero_stage=1"]), (2, ["parallel.tensor=2"]),
     (2, ["parallel.zero_stage=1", "checkpoint.async_save=true"]),
@@ -52,7 +28,7 @@ def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
     check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     # (A background save announces itself when committed: the kill comes after the commit.)
-    _run_and_kill_after_save([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
+    run_pretrain_and_kill([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
                              f"saved checkpoint {tmp_path}/ck/step_00000003")
     check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
     want, got = _records(tmp_path / "full", 4), _records(tmp_path / "resumed", 1)
