@@ -17,6 +17,8 @@ setup(
         "wandb>=0.17",
         "tensorboard>=2.15",
     ],
-    # pyarrow: parquet input to tools/preprocess_data.py (optional for users, tested here).
-    extras_require={"test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14"]},
+    # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot
+    # (optional for users, tested here).
+    extras_require={"report": ["matplotlib>=3.7"],
+                    "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7"]},
 )

@@ -104,9 +104,14 @@ class SpikeTracker:
             record["consecutive"] = self.consecutive_nonfinite
         self._emit(record, with_samples=True)
         what = "non-finite loss/gradient" if kind == "nonfinite" else f"{' and '.join(verdict.reasons)} spike"
-        self.log(f"{what} at step {ctx.step}: loss {p['loss']:.4f} (median {_round(verdict.loss_median)}, "
-                 f"z {_round(verdict.loss_z)}), grad norm {_round(p['grad_norm'])} "
-                 f"(z {_round(verdict.grad_norm_z)}); samples {ctx.batch_start}.."
+        parts = [f"loss {p['loss']:.4f}"]
+        if verdict.loss_z is not None:
+            parts[-1] += f" (median {verdict.loss_median:.4f}, z {verdict.loss_z:.1f})"
+        if p["grad_norm"] is not None:
+            parts.append(f"grad norm {p['grad_norm']:.4g}")
+            if verdict.grad_norm_z is not None:
+                parts[-1] += f" (median {verdict.grad_norm_median:.4g}, z {verdict.grad_norm_z:.1f})"
+        self.log(f"{what} at step {ctx.step}: {', '.join(parts)}; samples {ctx.batch_start}.."
                  f"{ctx.batch_start + ctx.global_batch - 1}; action: {p['action']}")
         return p["action"]
 

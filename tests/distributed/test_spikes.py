@@ -10,11 +10,22 @@ rollback moves the data position.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.conftest import char_overrides, check, read_metrics, run_pretrain, run_pretrain_and_kill
+from tests.conftest import (
+    REPO,
+    TINY_SHAKESPEARE,
+    char_overrides,
+    check,
+    cpu_env,
+    read_metrics,
+    run_pretrain,
+    run_pretrain_and_kill,
+)
 
 GB = 8
 
@@ -90,6 +101,23 @@ def test_bad_batch_is_named_and_skipped(tmp_path, nproc, layout):
     _assert_update_skipped(ck, 41)
     logged = {r["step"]: r for r in read_metrics(tmp_path / "run") if "loss" in r}
     assert logged[41]["skipped_steps"] == 1 and logged[42]["skipped_steps"] == 0
+    if nproc == 1:
+        _check_report(tmp_path / "run", event)
+
+
+def _check_report(run_dir, event):
+    """tools/spike_report.py: the table, the samples' text (from the data files: the bad tokens
+    were injected when served) and the plot."""
+    out = subprocess.run([sys.executable, str(REPO / "tools/spike_report.py"), str(run_dir), "--text",
+                          "--samples", "8", "--chars", "1000", "--plot", str(run_dir / "loss.png")],
+                         env=cpu_env(), capture_output=True, text=True, check=True).stdout
+    (row,) = [line for line in out.splitlines() if line.split()[:3] == ["0", "41", "spike"]]
+    assert "skip" in row and "320..327" in row
+    corpus = TINY_SHAKESPEARE.read_text()  # one document, one character per token
+    for s in event["samples"]:
+        ((_, lo, hi),) = s["pieces"]
+        assert f"-- sample {s['index']} " in out and corpus[lo:hi] in out
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("zero", [0, 1])
