@@ -87,3 +87,14 @@ def test_every_field_has_a_docstring_and_docs_are_current():
             assert not missing, f"{name}: fields without a docstring: {missing}"
     assert (REPO / "docs/config.md").read_text() == markdown(), \
         "docs/config.md is stale: python -m megatron_lite.config.docs > docs/config.md"
+
+
+def test_spike_settings_are_checked_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "recipes/shakespeare-char.yaml", [
+            "spikes.policy=rollback", "spikes.window=0", "spikes.rollback.skip_batches=-1",
+            "spikes.nonfinite_policy=ignore"])
+    text = str(e.value)
+    assert "'spikes.policy' = 'rollback' reloads checkpoints: set 'checkpoint.dir'" in text
+    assert "'spikes.window' = 0" in text and "'spikes.rollback.skip_batches' = -1" in text
+    assert "'spikes.nonfinite_policy' = 'ignore'" in text and "'skip_step'" in text
