@@ -57,8 +57,8 @@ class Trainer:
         self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
         self.state = TrainState()
         self.steps = StepRunner(cfg, dims, engine, self.grad_accum)
-        self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main,
-                                   getattr(data.train, "locate", None), log, logger)
+        locate = getattr(data.train, "locate", None) if data is not None else None
+        self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.steps.gate(self.spikes.judge)
         self.control = RunControl(cfg, dims)
         self.save_failures = 0
