@@ -362,6 +362,6 @@ class Checkpointer:
             torch.set_rng_state(rng["torch"])
             if rng["device"] is not None:
                 self.acc.set_rng_state(rng["device"])
-        self.log(f"{'resumed' if target is None else 'reloaded'} {path} at step {manifest['step']}"
+        self.log(f"{'resumed from' if target is None else 'reloaded'} {path} at step {manifest['step']}"
                  + ("" if same_layout else f" (saved with layout {manifest['topology']})"))
         return Loaded(manifest["step"], manifest["consumed_samples"], trainer.get("extra"), path)
