@@ -1,12 +1,16 @@
 #!/usr/bin/env python
 """Train a GPT- or Llama-style model from a recipe.
 
-usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | --dry-run]
+usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | --dry-run | --plan]
 
   RECIPE.yaml         a recipe from recipes/ (or your own; 'base: other.yaml' extends another)
   dotted.key=value    overrides, applied after the recipe (e.g. training.iters=100 optimizer.lr=1e-3)
   --print-config      print the resolved config and exit
   --dry-run           build the model on the meta device, print parameters and FLOPs/token, exit
+  --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
+                      does not fit); with --world-size N (default: one node), --gpus-per-node G
+                      (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3;
+                      default A100-40GB), --mfu X (default 0.4)
 
 Multi-process: torchrun --nproc-per-node N pretrain.py RECIPE ... (or launch/polaris.sh, gaudi.sh).
 Exit status: 0 when the run finished as asked; otherwise non-zero with a one-line reason.
@@ -20,9 +24,14 @@ import sys
 def main(argv: list[str]) -> int:
     # The DeepSpeed launcher appends --local_rank=N; the same value is in LOCAL_RANK.
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
+    try:
+        argv, values = _take_values(argv, PLAN_OPTIONS)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     flags = {a for a in argv if a.startswith("--")}
     args = [a for a in argv if not a.startswith("--")]
-    unknown = flags - {"--help", "-h", "--print-config", "--dry-run"}
+    unknown = flags - {"--help", "-h", "--print-config", "--dry-run", "--plan"}
     if "--help" in flags or "-h" in argv or not args:
         print(__doc__.strip())
         return 0 if ("--help" in flags or "-h" in argv) else 2
@@ -53,6 +62,9 @@ def main(argv: list[str]) -> int:
         print(f"vocab_size: {model_cfg.vocab_size}")
         return 0
 
+    if "--plan" in flags:
+        return _plan(cfg, values)
+
     from megatron_lite.checkpoint import CheckpointError
     from megatron_lite.distributed import TopologyError
     from megatron_lite.spikes import SpikeStop
@@ -67,6 +79,45 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+PLAN_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float}
+
+
+def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
+    """Split ``--name VALUE`` / ``--name=VALUE`` options out of argv."""
+    rest, values, i = [], {}, 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in options:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{name} needs a value")
+                i += 1
+                value = argv[i]
+            try:
+                values[name] = options[name](value)
+            except ValueError:
+                raise ValueError(f"{name} {value!r}: expected {options[name].__name__}") from None
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, values
+
+
+def _plan(cfg, values: dict) -> int:
+    from megatron_lite.distributed import TopologyError
+    from megatron_lite.planner import plan_report
+
+    per_node = values.get("--gpus-per-node", 4)
+    try:
+        lines, fits = plan_report(cfg, values.get("--world-size", per_node), per_node,
+                                  values.get("--device", "A100-40GB"), values.get("--mfu", 0.4))
+    except (TopologyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0 if fits else 1
 
 
 def _report_once(error: Exception) -> None:

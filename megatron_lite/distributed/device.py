@@ -9,18 +9,46 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
+from dataclasses import dataclass
 
 import torch
 
-# Dense bf16/fp16 tensor-core peak per device, FLOP/s (vendor data sheets). fp32 uses TF32 peak
-# on NVIDIA (what matmuls run at with TF32 enabled); CPUs have no entry and report no MFU.
-PEAK_FLOPS = {
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "GAUDI2": {"bf16": 432e12, "fp16": 432e12, "fp32": 432e12 / 4},
-    "GAUDI3": {"bf16": 1835e12, "fp16": 1835e12, "fp32": 1835e12 / 4},
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Data-sheet numbers of one accelerator (dense, no sparsity)."""
+
+    bf16: float
+    """Peak bf16/fp16 matmul FLOP/s."""
+    fp32: float
+    """Peak FLOP/s for fp32 training (TF32 tensor cores on NVIDIA)."""
+    memory_gb: float
+    """Device memory, GB (10^9 bytes)."""
+
+
+# Vendor data sheets (SXM/OAM parts). CPUs have no entry and report no MFU. The name is matched
+# against the device's reported name: every dash-separated part of the key must appear in it
+# (so "NVIDIA A100-SXM4-80GB" is an A100-80GB), else the first part alone.
+DEVICES = {
+    "A100-40GB": DeviceSpec(312e12, 156e12, 40),
+    "A100-80GB": DeviceSpec(312e12, 156e12, 80),
+    "H100": DeviceSpec(989e12, 494e12, 80),
+    "H200": DeviceSpec(989e12, 494e12, 141),
+    "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96),
+    "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128),
 }
+
+
+def device_spec(name: str) -> DeviceSpec | None:
+    """The table entry for a device name ('NVIDIA A100-SXM4-40GB', 'h100', 'Gaudi2'), or None."""
+    upper = name.upper().replace(" ", "")
+    for key, spec in DEVICES.items():
+        if all(part in upper for part in key.split("-")):
+            return spec
+    for key, spec in DEVICES.items():
+        if key.split("-")[0] in upper:
+            return spec
+    return None
 
 
 def select_accelerator(device: str):
@@ -50,11 +78,10 @@ def device_name(acc) -> str:
 
 def peak_flops(name: str, precision: str) -> float | None:
     """Peak FLOP/s of a device by name, or None when unknown (then MFU is not reported)."""
-    upper = name.upper().replace(" ", "")
-    for key, table in PEAK_FLOPS.items():
-        if key in upper:
-            return table[precision]
-    return None
+    spec = device_spec(name)
+    if spec is None:
+        return None
+    return spec.fp32 if precision == "fp32" else spec.bf16
 
 
 def communication_backend(acc) -> str:

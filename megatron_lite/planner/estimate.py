@@ -1,0 +1,191 @@
+"""Memory and throughput estimates for a recipe on a machine, before queueing for it.
+
+Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
+
+- **Model states** (ZeRO paper accounting). Mixed precision (bf16/fp16) keeps 2 bytes of weights,
+  2 of gradients and 12 of optimizer state (fp32 master copy, Adam's two moments) per parameter:
+  16 in all. fp32 keeps 4 + 4 + 8. ZeRO-1 divides the optimizer state, ZeRO-2 also the gradients,
+  ZeRO-3 also the weights, by the ranks they are sharded over (data × Ulysses); HSDP (ZeRO-3 with
+  a hierarchical copy) adds a second copy of the 2-byte weights sharded over its shard group.
+  Tensor parallelism divides everything but the norms (replicated), pipeline parallelism keeps
+  only a stage's layers.
+- **Activations** per transformer block and micro-batch of ``b`` sequences of ``s`` tokens
+  (Korthikanti et al. 2022, for an attention kernel that stores no score matrix, as SDPA's
+  flash/memory-efficient kernels do): elements kept for backward are the two norms' inputs and
+  outputs (4·s·b·h, split over tensor ranks only with sequence parallelism), the q/k/v and
+  attention outputs (s·b·(2h + 2·h_kv)) and the MLP's (s·b·3F for SwiGLU, s·b·2F for GELU), the
+  latter two split over tensor ranks. Ulysses splits ``s``. With activation checkpointing a
+  block keeps only its input (s·b·h) plus one block's full set while it is recomputed. Under
+  1F1B the first stage holds min(pipeline, accumulation) micro-batches in flight.
+
+Not counted: framework buffers (ZeRO-3 prefetch, communication buckets, the allocator's
+fragmentation, the CUDA context) — keep 10-20% free. FLOPs per token: ``model.flops``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_lite.config.schema import Config, ModelConfig
+from megatron_lite.distributed.device import DeviceSpec
+from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.model.flops import flops_per_token
+from megatron_lite.model.transformer import ffn_hidden_size
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    embedding: int
+    """Token (and learned position) embeddings."""
+    block: int
+    """One transformer block."""
+    block_norms: int
+    """The norms' share of ``block`` (replicated under tensor parallelism)."""
+    head: int
+    """Final norm and, when not tied, the output layer."""
+    n_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.n_layers * self.block + self.head
+
+
+def parameter_counts(m: ModelConfig) -> ParameterCounts:
+    """Parameters of a resolved model config (vocabulary known), by part."""
+    assert m.vocab_size is not None
+    d, kv_heads = m.d_model, m.n_kv_heads or m.n_heads
+    head_dim, ffn, bias = d // m.n_heads, ffn_hidden_size(m), int(m.bias)
+    qkv = (m.n_heads + 2 * kv_heads) * head_dim
+    attn = d * qkv + bias * qkv + m.n_heads * head_dim * d + bias * d
+    n_in = 2 if m.activation == "swiglu" else 1
+    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    embedding = m.vocab_size * d + (m.max_seq_len or 0) * d * (m.position == "learned")
+    head = norm + (0 if m.tie_embeddings else m.vocab_size * d)
+    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, m.n_layers)
+
+
+def stage_layers(counts: ParameterCounts, pipeline: int, method: str) -> list[tuple[int, int, int]]:
+    """(first block, end block, parameters) of each pipeline stage, as DeepSpeed partitions the
+    layer list [embedding, blocks..., head] (``pipeline_partition``); a tied embedding is also
+    held by the last stage."""
+    layers = [counts.embedding, *([counts.block] * counts.n_layers), counts.head]
+    if pipeline == 1:
+        return [(0, counts.n_layers, counts.total)]
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the partitioner needs no device
+    from deepspeed.runtime import utils as ds_utils
+
+    if method == "parameters":
+        bounds = ds_utils.partition_balanced(layers, pipeline)
+    elif method == "uniform":
+        bounds = ds_utils.partition_uniform(len(layers), pipeline)
+    else:  # type:Block: the blocks evenly, embedding and head with the first and last stage
+        inner = ds_utils.partition_uniform(counts.n_layers, pipeline)
+        bounds = [0] + [b + 1 for b in inner[1:-1]] + [len(layers)]
+    stages = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        first, end = max(lo - 1, 0), min(hi - 1, counts.n_layers)
+        stages.append((first, max(end, first), sum(layers[lo:hi])))
+    return stages
+
+
+@dataclass(frozen=True)
+class Plan:
+    dims: ParallelDims
+    model: ModelConfig
+    counts: ParameterCounts
+    stage_parameters: int
+    """Parameters held by one rank of the largest stage (after tensor parallelism)."""
+    stage_blocks: int
+    in_flight: int
+    """Micro-batches whose activations the first stage holds at once."""
+    weights: float
+    grads: float
+    optimizer: float
+    hsdp_copy: float
+    activations: float
+    activations_other: float
+    """Activations with the other ``activation_checkpointing`` setting."""
+    flops_per_token: float
+    tokens_per_step: int
+    grad_accumulation: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.hsdp_copy + self.activations
+
+
+def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: bool) -> float:
+    """Activation memory of one block for one micro-batch on one rank."""
+    b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / dims.ulysses, m.d_model
+    t = dims.tensor
+    width = 4 if cfg.training.precision == "fp32" else 2
+    h_kv = (m.n_kv_heads or m.n_heads) * (h // m.n_heads)
+    ffn = ffn_hidden_size(m)
+    sp = t if dims.sequence_parallel else 1
+    if recompute:
+        return width * s * b * h / sp
+    replicated = 4 * s * b * h / sp
+    split = s * b * (2 * h + 2 * h_kv + (3 if m.activation == "swiglu" else 2) * ffn) / t
+    return width * (replicated + split)
+
+
+def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: int) -> Plan:
+    """The plan of ``cfg`` (model resolved) on ``world_size`` ranks, ``gpus_per_node`` per node."""
+    from megatron_lite.training.engine import zero_stage
+
+    dims = ParallelDims.plan(cfg, world_size, local_world_size=gpus_per_node)
+    counts = parameter_counts(model)
+    stages = stage_layers(counts, dims.pipeline, cfg.parallel.pipeline_partition)
+    tied_on_last = model.tie_embeddings and dims.pipeline > 1
+    per_rank = []
+    for k, (first, end, params) in enumerate(stages):
+        if tied_on_last and k == len(stages) - 1:
+            params += counts.embedding
+        norms = (end - first) * counts.block_norms
+        per_rank.append(((params - norms) / dims.tensor + norms, end - first))
+    # The stage with the most parameters and the one with the most blocks (the first, under
+    # 1F1B, holds the most micro-batches): both maxima, to stay on the safe side.
+    p = max(x for x, _ in per_rank)
+    blocks = max(b for _, b in per_rank)
+
+    mixed = cfg.training.precision != "fp32"
+    w_bytes, g_bytes, o_bytes = (2, 2, 12) if mixed else (4, 4, 8)
+    stage, shard = zero_stage(cfg), dims.data * dims.ulysses
+    weights = p * w_bytes / (shard if stage >= 3 else 1)
+    grads = p * g_bytes / (shard if stage >= 2 else 1)
+    optimizer = p * o_bytes / (shard if stage >= 1 else 1)
+    hsdp_copy = p * w_bytes / dims.hsdp_shard_size if dims.hsdp_shard_size else 0.0
+
+    accum = dims.grad_accumulation(cfg)
+    in_flight = min(dims.pipeline, accum) if dims.pipeline > 1 else 1
+    recompute = model.activation_checkpointing
+
+    def acts(rc: bool) -> float:
+        stored = blocks * in_flight * activation_bytes(model, cfg, dims, rc)
+        # While a checkpointed block is recomputed its full activations exist once more.
+        return stored + (activation_bytes(model, cfg, dims, False) if rc else 0.0)
+
+    return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer, hsdp_copy,
+                acts(recompute), acts(not recompute), flops_per_token(model, cfg.data.seq_length),
+                dims.global_batch(cfg) * cfg.data.seq_length, accum)
+
+
+def step_time(plan: Plan, spec: DeviceSpec, precision: str, mfu: float) -> tuple[float, float]:
+    """(seconds per step, tokens per second) at the stated MFU."""
+    peak = spec.fp32 if precision == "fp32" else spec.bf16
+    seconds = plan.flops_per_token * plan.tokens_per_step / (plan.dims.world_size * peak * mfu)
+    return seconds, plan.tokens_per_step / seconds
+
+
+def fits(plan: Plan, spec: DeviceSpec) -> bool:
+    return plan.total <= spec.memory_gb * GB
+
+
+def round_gb(x: float) -> float:
+    return math.floor(x / GB * 100 + 0.5) / 100

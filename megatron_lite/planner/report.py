@@ -1,0 +1,86 @@
+"""The ``--plan`` printout."""
+
+from __future__ import annotations
+
+from megatron_lite.config.schema import Config
+from megatron_lite.distributed.device import DEVICES, device_spec
+from megatron_lite.model import resolve_model
+from megatron_lite.planner.estimate import GB, estimate, fits, step_time
+from megatron_lite.training.engine import zero_stage
+
+ASSUMED_VOCAB = 32000
+
+
+def _vocab(cfg: Config) -> tuple[int | None, str | None]:
+    """The tokenizer's vocabulary when the recipe leaves ``model.vocab_size`` null."""
+    if cfg.model.vocab_size is not None:
+        return None, None
+    from megatron_lite.data.tokenizers import load_tokenizer
+
+    tok = cfg.data.tokenizer
+    try:
+        return load_tokenizer(tok.type, tok.model).vocab_size, None
+    except (FileNotFoundError, OSError, ValueError):
+        return ASSUMED_VOCAB, (f"the tokenizer '{tok.model}' does not exist yet: assumed a vocabulary "
+                               f"of {ASSUMED_VOCAB:,} (set model.vocab_size for exact numbers)")
+
+
+def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
+                mfu: float) -> tuple[list[str], bool]:
+    """Lines to print and whether the run fits in the device's memory."""
+    spec = device_spec(device)
+    if spec is None:
+        raise ValueError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
+    vocab, note = _vocab(cfg)
+    model = resolve_model(cfg.model, vocab, cfg.data.seq_length, cfg.parallel.tensor)
+    plan = estimate(cfg, model, world_size, gpus_per_node)
+    d, t = plan.dims, cfg.training
+    nodes = -(-world_size // gpus_per_node)
+    gb = lambda x: f"{x / GB:8.2f}"  # noqa: E731
+    recompute = model.activation_checkpointing
+    lines = [
+        f"plan for {world_size} × {device} ({nodes} node(s) × {gpus_per_node}), {t.precision}, "
+        f"{spec.memory_gb:g} GB and {(spec.fp32 if t.precision == 'fp32' else spec.bf16) / 1e12:g} "
+        "TFLOP/s peak each",
+        f"layout: tensor {d.tensor}{' + sequence parallel' if d.sequence_parallel else ''} × pipeline "
+        f"{d.pipeline} × ulysses {d.ulysses} × data {d.data}, ZeRO-{zero_stage(cfg)}"
+        + (f" (HSDP, shard groups of {d.hsdp_shard_size})" if d.hsdp_shard_size else ""),
+        f"batch: micro {t.micro_batch_size} × accumulation {plan.grad_accumulation} × data {d.data} = "
+        f"{d.global_batch(cfg)} sequences of {cfg.data.seq_length} tokens ({plan.tokens_per_step:,} "
+        "tokens per step)",
+        f"parameters: {plan.counts.total:,} total; {plan.stage_parameters:,} on one rank of the largest "
+        f"pipeline stage ({plan.stage_blocks} of {model.n_layers} blocks)",
+        "",
+        "memory per device (GB = 10^9 bytes)",
+        f"  weights                        {gb(plan.weights)}",
+        f"  gradients                      {gb(plan.grads)}",
+        f"  optimizer (master + Adam)      {gb(plan.optimizer)}",
+    ]
+    if plan.hsdp_copy:
+        lines.append(f"  HSDP secondary weights         {gb(plan.hsdp_copy)}")
+    lines += [
+        f"  activations (recompute {'on' if recompute else 'off'}) {gb(plan.activations)}"
+        f"   ({plan.in_flight} micro-batch(es) in flight; recompute {'off' if recompute else 'on'}: "
+        f"{plan.activations_other / GB:.2f})",
+        f"  total                          {gb(plan.total)}   of {spec.memory_gb:g}",
+        "",
+    ]
+    seconds, tokens = step_time(plan, spec, t.precision, mfu)
+    lines += [
+        f"compute: {plan.flops_per_token / 1e9:.3f} GFLOPs per token (6N + attention; recompute not "
+        "counted)",
+        f"at {100 * mfu:.0f}% MFU: {seconds:.2f} s per step, {tokens:,.0f} tokens/s "
+        f"({tokens / world_size:,.0f} per device)",
+    ]
+    ok = fits(plan, spec)
+    warnings = [note] if note else []
+    if not ok:
+        warnings.append(f"does NOT fit: {plan.total / GB:.1f} GB needed per device, {spec.memory_gb:g} GB "
+                        "available; raise parallel.zero_stage / tensor / pipeline, turn on "
+                        "model.activation_checkpointing, or lower training.micro_batch_size")
+    elif plan.total > 0.85 * spec.memory_gb * GB:
+        warnings.append(f"tight: {plan.total / GB:.1f} of {spec.memory_gb:g} GB; framework buffers and "
+                        "fragmentation usually need 10-20% more")
+    if warnings:
+        lines += [""] + [f"warning: {w}" for w in warnings]
+    return lines, ok
