@@ -110,9 +110,17 @@ def _plan(cfg, values: dict) -> int:
     from megatron_lite.planner import plan_report
 
     per_node = values.get("--gpus-per-node", 4)
+    world = values.get("--world-size")
+    if world is None:  # one node, or one model replica where a node's worth does not divide
+        p = cfg.parallel
+        replica = p.tensor * p.pipeline * p.ulysses
+        world = per_node
+        if per_node % replica or (cfg.training.global_batch_size or 0) % (
+                cfg.training.micro_batch_size * (per_node // replica) or 1):
+            world = replica
     try:
-        lines, fits = plan_report(cfg, values.get("--world-size", per_node), per_node,
-                                  values.get("--device", "A100-40GB"), values.get("--mfu", 0.4))
+        lines, fits = plan_report(cfg, world, per_node, values.get("--device", "A100-40GB"),
+                                  values.get("--mfu", 0.4))
     except (TopologyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,12 +2,15 @@
 
 The only place that reads launcher environment variables. Recognised, in order: torchrun /
 the DeepSpeed launcher (``RANK``), Open MPI (``OMPI_COMM_WORLD_*``), MPICH / Cray PALS
-(``PMI_*``, ``PALS_*``), Slurm (``SLURM_*``); none of them means a single process.
+(``PMI_*``, ``PALS_*``, Hydra's ``MPI_LOCALRANKID``), Slurm (``SLURM_*``); none of them means a
+single process. The rendezvous host is ``MASTER_ADDR``, else the first host of the PBS node file,
+else the first of Slurm's node list.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +36,14 @@ def _first_host(env: Mapping[str, str]) -> str | None:
                 if line.strip():
                     return line.strip()
     return None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``nid[0012-0015,0020],gpu7`` -> ``nid0012``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
+    if m is None:
+        return nodelist
+    return m.group(1) + (m.group(2) or "")
 
 
 def _free_port() -> int:
@@ -71,7 +82,10 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         launcher, rank, world, local, local_size = "none", "0", "1", "0", "1"
     if world is None:
         raise RuntimeError(f"launched by {launcher} but the world size is not set in the environment")
-    addr = get("MASTER_ADDR") or _first_host(env) or "127.0.0.1"
+    addr = get("MASTER_ADDR") or _first_host(env)
+    if addr is None and launcher == "slurm" and get("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        addr = first_slurm_host(get("SLURM_JOB_NODELIST", "SLURM_NODELIST") or "")
+    addr = addr or "127.0.0.1"
     port = get("MASTER_PORT")
     if port is None:
         # A lone process picks a free port so that several can run side by side; launched jobs

@@ -46,6 +46,8 @@ class ParameterCounts:
     """The norms' share of ``block`` (replicated under tensor parallelism)."""
     head: int
     """Final norm and, when not tied, the output layer."""
+    head_norm: int
+    """The final norm's share of ``head``."""
     n_layers: int
 
     @property
@@ -65,7 +67,7 @@ def parameter_counts(m: ModelConfig) -> ParameterCounts:
     norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
     embedding = m.vocab_size * d + (m.max_seq_len or 0) * d * (m.position == "learned")
     head = norm + (0 if m.tie_embeddings else m.vocab_size * d)
-    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, m.n_layers)
+    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, norm, m.n_layers)
 
 
 def stage_layers(counts: ParameterCounts, pipeline: int, method: str) -> list[tuple[int, int, int]]:
@@ -145,9 +147,10 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
     tied_on_last = model.tie_embeddings and dims.pipeline > 1
     per_rank = []
     for k, (first, end, params) in enumerate(stages):
-        if tied_on_last and k == len(stages) - 1:
+        last = k == len(stages) - 1
+        if tied_on_last and last:
             params += counts.embedding
-        norms = (end - first) * counts.block_norms
+        norms = (end - first) * counts.block_norms + (counts.head_norm if last else 0)
         per_rank.append(((params - norms) / dims.tensor + norms, end - first))
     # The stage with the most parameters and the one with the most blocks (the first, under
     # 1F1B, holds the most micro-batches): both maxima, to stay on the safe side.

@@ -36,7 +36,6 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
     plan = estimate(cfg, model, world_size, gpus_per_node)
     d, t = plan.dims, cfg.training
     nodes = -(-world_size // gpus_per_node)
-    gb = lambda x: f"{x / GB:8.2f}"  # noqa: E731
     recompute = model.activation_checkpointing
     lines = [
         f"plan for {world_size} × {device} ({nodes} node(s) × {gpus_per_node}), {t.precision}, "
@@ -52,24 +51,23 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         f"pipeline stage ({plan.stage_blocks} of {model.n_layers} blocks)",
         "",
         "memory per device (GB = 10^9 bytes)",
-        f"  weights                        {gb(plan.weights)}",
-        f"  gradients                      {gb(plan.grads)}",
-        f"  optimizer (master + Adam)      {gb(plan.optimizer)}",
     ]
+    other = "off" if recompute else "on"
+    rows = [("weights", plan.weights, ""), ("gradients", plan.grads, ""),
+            ("optimizer (master + Adam)", plan.optimizer, "")]
     if plan.hsdp_copy:
-        lines.append(f"  HSDP secondary weights         {gb(plan.hsdp_copy)}")
-    lines += [
-        f"  activations (recompute {'on' if recompute else 'off'}) {gb(plan.activations)}"
-        f"   ({plan.in_flight} micro-batch(es) in flight; recompute {'off' if recompute else 'on'}: "
-        f"{plan.activations_other / GB:.2f})",
-        f"  total                          {gb(plan.total)}   of {spec.memory_gb:g}",
-        "",
-    ]
+        rows.append(("HSDP secondary weights", plan.hsdp_copy, ""))
+    rows += [(f"activations (recompute {'on' if recompute else 'off'})", plan.activations,
+              f"{plan.in_flight} micro-batch(es) in flight; recompute {other}: "
+              f"{plan.activations_other / GB:.2f}"),
+             ("total", plan.total, f"of {spec.memory_gb:g}")]
+    lines += [f"  {label:<30} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
+    lines.append("")
     seconds, tokens = step_time(plan, spec, t.precision, mfu)
     lines += [
         f"compute: {plan.flops_per_token / 1e9:.3f} GFLOPs per token (6N + attention; recompute not "
         "counted)",
-        f"at {100 * mfu:.0f}% MFU: {seconds:.2f} s per step, {tokens:,.0f} tokens/s "
+        f"at {100 * mfu:.0f}% MFU: {seconds:.3g} s per step, {tokens:,.0f} tokens/s "
         f"({tokens / world_size:,.0f} per device)",
     ]
     ok = fits(plan, spec)

@@ -37,6 +37,32 @@ def test_launcher_environments(env, expected):
     assert (e.rank, e.local_rank, e.world_size, e.master_addr, e.master_port, e.launcher) == expected
 
 
+@pytest.mark.parametrize("env, expected", [
+    # Cray PALS (Polaris mpiexec)
+    ({"PMI_RANK": "6", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "2", "PMI_LOCAL_SIZE": "4"}, (6, 2, 8, 4, "mpich")),
+    # MPICH's Hydra mpiexec
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+     (3, 1, 4, 2, "mpich")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, (5, 5, 16, 8, "openmpi")),
+    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "8(x2)"},
+     (9, 1, 16, 8, "slurm")),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 1, 2, 2, "torchrun")),
+])
+def test_local_rank_and_ranks_per_node(env, expected):
+    e = detect(env)
+    assert (e.rank, e.local_rank, e.world_size, e.local_world_size, e.launcher) == expected
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("nid[0012-0015,0020]", "nid0012"), ("gpu7,gpu9", "gpu7"), ("x1000c0s0b0n0", "x1000c0s0b0n0"),
+    ("a[3,5-7],b[1-2]", "a3"),
+])
+def test_master_address_from_slurm_nodelist(nodelist, first):
+    e = detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": nodelist})
+    assert e.master_addr == first
+
+
 def test_master_address_from_pbs_nodefile(tmp_path):
     (tmp_path / "nodes").write_text("x3001c0s1b0n0\nx3001c0s1b0n0\nx3002c0s1b0n0\n")
     e = detect({"PMI_RANK": "0", "PMI_SIZE": "8", "PBS_NODEFILE": str(tmp_path / "nodes")})

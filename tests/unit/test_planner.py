@@ -1,0 +1,121 @@
+"""The planner against hand-computed parameters, memory, FLOPs and step time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lite.config import load_config
+from megatron_lite.distributed.device import DEVICES, device_spec
+from megatron_lite.model import build_model, count_parameters, resolve_model
+from megatron_lite.planner import estimate, parameter_counts
+from megatron_lite.planner.estimate import step_time
+from tests.conftest import REPO, cpu_env
+
+LLAMA2_7B = 6_738_415_616  # huggyllama/llama-7b
+
+
+def _cfg(recipe: str, *overrides: str):
+    cfg = load_config(REPO / "recipes" / recipe, list(overrides))
+    return cfg, resolve_model(cfg.model, None, cfg.data.seq_length, cfg.parallel.tensor)
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("llama2-7b.yaml", []), ("llama3-8b.yaml", []),
+    ("gpt2-124m.yaml", ["model.vocab_size=50304"]),
+    ("gpt2-124m.yaml", ["model.vocab_size=50304", "model.tie_embeddings=false"]),
+])
+def test_parameter_count_matches_the_model(recipe, overrides):
+    cfg, model = _cfg(recipe, *overrides)
+    assert parameter_counts(model).total == count_parameters(build_model(model, "meta"))
+
+
+def test_llama2_7b_model_states():
+    cfg, model = _cfg("llama2-7b.yaml", "parallel.zero_stage=0", "training.global_batch_size=8")
+    assert parameter_counts(model).total == LLAMA2_7B
+    one = estimate(cfg, model, 1, 1)
+    # bf16 with Adam: 2 (weights) + 2 (gradients) + 12 (fp32 master, m, v) bytes per parameter.
+    assert one.weights + one.grads + one.optimizer == 16 * LLAMA2_7B  # 107.8 GB
+    assert round((one.weights + one.grads + one.optimizer) / 1e9, 1) == 107.8
+    for stage, sharded in [(1, ("optimizer",)), (2, ("optimizer", "grads")),
+                           (3, ("optimizer", "grads", "weights"))]:
+        cfg_s, _ = _cfg("llama2-7b.yaml", f"parallel.zero_stage={stage}", "training.global_batch_size=8")
+        eight = estimate(cfg_s, model, 8, 8)
+        for part in ("weights", "grads", "optimizer"):
+            want = getattr(one, part) / (8 if part in sharded else 1)
+            assert getattr(eight, part) == pytest.approx(want, rel=1e-12), (stage, part)
+
+
+def test_tensor_and_pipeline_split_by_hand():
+    cfg, model = _cfg("quickstart.yaml", "model.n_layers=4", "model.d_model=64", "model.n_heads=4",
+                      "model.n_kv_heads=4", "model.ffn_hidden=128", "model.vocab_size=256",
+                      "model.tie_embeddings=false", "parallel.tensor=2", "parallel.pipeline=2",
+                      "parallel.pipeline_partition=type:Block", "parallel.zero_stage=1",
+                      "training.precision=bf16", "training.micro_batch_size=2",
+                      "training.global_batch_size=16", "data.seq_length=32")
+    # block: q,k,v,o 4·64·64 + gate,up,down 3·64·128 + two RMSNorms 2·64 = 41,088
+    # stage 1: blocks 2 and 3 + final norm (64) + output layer 256·64 = 98,624; tensor ranks
+    # share all but the norms (2·128 + 64 = 320): (98,624 − 320) / 2 + 320 = 49,472
+    plan = estimate(cfg, model, 8, 4)
+    assert plan.stage_parameters == 49_472 and plan.stage_blocks == 2
+    assert plan.dims.data == 2 and plan.grad_accumulation == 4 and plan.in_flight == 2
+    assert plan.weights == 2 * 49_472 and plan.grads == 2 * 49_472
+    assert plan.optimizer == 12 * 49_472 / 2  # ZeRO-1 over 2 data-parallel ranks
+
+
+def test_activations_by_hand():
+    cfg, model = _cfg("llama2-7b.yaml", "model.activation_checkpointing=false")
+    # Per block, bf16, s = 4096, b = 1, h = 4096, h_kv = 4096, F = 11008:
+    # 2 bytes · (4·s·h + s·(2h + 2h_kv + 3F)) = 538,968,064
+    per_block = 2 * (4 * 4096 * 4096 + 4096 * (2 * 4096 + 2 * 4096 + 3 * 11008))
+    assert per_block == 538_968_064
+    plan = estimate(cfg, model, 4, 4)
+    assert plan.activations == 32 * per_block
+    # Recompute keeps each block's input (2·s·h bytes) plus one block's full set.
+    assert plan.activations_other == 32 * 2 * 4096 * 4096 + per_block
+    sp, _ = _cfg("llama2-7b.yaml", "model.activation_checkpointing=false", "parallel.tensor=4",
+                 "parallel.sequence_parallel=true")
+    assert estimate(sp, model, 4, 4).activations == 32 * per_block / 4
+
+
+def test_flops_and_step_time_by_hand():
+    cfg, model = _cfg("llama2-7b.yaml")
+    plan = estimate(cfg, model, 8, 4)
+    # 6 · (parameters − input embedding 32000·4096) + 12 · layers · d · seq
+    fpt = 6 * (LLAMA2_7B - 32000 * 4096) + 12 * 32 * 4096 * 4096
+    assert plan.flops_per_token == fpt
+    seconds, tokens = step_time(plan, DEVICES["A100-40GB"], "bf16", 0.5)
+    assert seconds == pytest.approx(fpt * 1024 * 4096 / (8 * 312e12 * 0.5))
+    assert tokens == pytest.approx(1024 * 4096 / seconds)
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("GAUDI2", "GAUDI2"),
+    ("gaudi3", "GAUDI3"), ("A100", "A100-40GB"),
+])
+def test_device_names(name, key):
+    assert device_spec(name) is DEVICES[key]
+    assert device_spec("cpu") is None
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, str(REPO / "pretrain.py"), *args, "--plan"], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_plan_runs_on_every_recipe(recipe):
+    out = _plan(f"recipes/{recipe}")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "memory per device" in out.stdout and "GFLOPs per token" in out.stdout
+
+
+def test_plan_says_when_it_does_not_fit():
+    out = _plan("recipes/llama2-7b.yaml", "parallel.zero_stage=0", "--world-size", "1",
+                "--gpus-per-node=1", "--device", "A100-80GB")
+    assert out.returncode == 1 and "does NOT fit" in out.stdout
+    out = _plan("recipes/llama2-7b.yaml", "--device", "TPUv9")
+    assert out.returncode == 2 and "unknown device 'TPUv9'" in out.stderr
