@@ -185,6 +185,10 @@ class TrainingConfig:
     """Accelerator; ``auto`` takes what DeepSpeed detects."""
     precision: str = choice("fp32", "bf16", "fp16")
     """Training precision (bf16/fp16 through DeepSpeed's mixed-precision engine)."""
+    hpu_mode: str = choice("lazy", "eager", "compile")
+    """Intel Gaudi execution mode: ``lazy`` graph mode (``PT_HPU_LAZY_MODE=1``; the graph is cut
+    after backward and after the optimizer step), ``eager``, or eager with ``torch.compile`` on
+    the HPU backend. Ignored on other devices."""
     sample_prompt: str = "\n"
     """Prompt of the text sample generated at each evaluation (empty disables sampling)."""
     sample_tokens: int = 200

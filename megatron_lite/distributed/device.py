@@ -1,7 +1,10 @@
 """The one device module: the only code that touches torch.cuda or Habana specifics.
 
 Everything else reaches the device through DeepSpeed's accelerator abstraction via these helpers,
-so CPU, CUDA and HPU share one code path.
+so CPU, CUDA and HPU share one code path. The Gaudi parts (lazy-mode graph cuts, the fused
+attention kernel) are small on purpose: they are exercised here only
+through the same functions the CPU path calls, which return no-ops off HPU
+(``docs/hardware.md``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ def device_spec(name: str) -> DeviceSpec | None:
     return None
 
 
-def select_accelerator(device: str):
-    """DeepSpeed's accelerator for ``device`` ('auto' lets DeepSpeed detect it)."""
+def select_accelerator(device: str, hpu_mode: str = "lazy"):
+    """DeepSpeed's accelerator for ``device`` ('auto' lets DeepSpeed detect it). On Gaudi the
+    execution mode must be chosen before Habana's PyTorch bridge is imported."""
+    os.environ.setdefault("PT_HPU_LAZY_MODE", "1" if hpu_mode == "lazy" else "0")
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
     elif not torch.cuda.is_available() and importlib.util.find_spec("habana_frameworks") is None:
@@ -82,6 +87,35 @@ def peak_flops(name: str, precision: str) -> float | None:
     if spec is None:
         return None
     return spec.fp32 if precision == "fp32" else spec.bf16
+
+
+def graph_break(acc, hpu_mode: str):
+    """A function to call where Gaudi's lazy mode must cut and run the accumulated graph (after
+    backward, after the optimizer step); a no-op elsewhere."""
+    if acc.device_name() != "hpu" or hpu_mode != "lazy":
+        return lambda: None
+    import habana_frameworks.torch.core as htcore
+
+    return htcore.mark_step
+
+
+def fused_attention(acc):
+    """Gaudi's fused scaled-dot-product attention with ``F.scaled_dot_product_attention``'s
+    calling convention, or None (then the standard kernel is used)."""
+    if acc.device_name() != "hpu":
+        return None
+    try:
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+    except ImportError:
+        return None
+
+    def attention(q, k, v, is_causal=False, dropout_p=0.0, enable_gqa=False):
+        if enable_gqa and k.size(1) != q.size(1):  # (B, Hkv, T, hd) -> (B, H, T, hd)
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        return FusedSDPA.apply(q, k, v, None, dropout_p, is_causal)
+
+    return attention
 
 
 def communication_backend(acc) -> str:

@@ -226,7 +226,7 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     """Start the process group, create the parallel groups and pick this rank's device.
     Returns (ParallelDims, accelerator)."""
     dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
-    acc = devmod.select_accelerator(cfg.training.device)
+    acc = devmod.select_accelerator(cfg.training.device, cfg.training.hpu_mode)
     for key, value in {"RANK": env.rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": env.world_size,
                        "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}.items():
         os.environ[key] = str(value)

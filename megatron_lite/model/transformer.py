@@ -91,6 +91,9 @@ class CausalAttention(nn.Module):
     def __init__(self, dropout: float):
         super().__init__()
         self.dropout = dropout
+        # The kernel, with F.scaled_dot_product_attention's signature; a device may supply a
+        # fused one (distributed/device.py: fused_attention).
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -99,7 +102,7 @@ class CausalAttention(nn.Module):
             T = q.size(2)
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
+        y = self.sdpa(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=k.size(1) != q.size(1),
         )  # (B, H, T, hd)

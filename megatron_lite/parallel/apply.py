@@ -19,7 +19,7 @@ from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.model.transformer import Block, Transformer, initial_value
+from megatron_lite.model.transformer import Block, CausalAttention, Transformer, initial_value
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
@@ -163,6 +163,16 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
     tag_names(model)
     parallelize(model, dims)
     return materialize(model, cfg, device, seed)
+
+
+def use_attention_kernel(module: nn.Module, kernel) -> None:
+    """Have every attention core call ``kernel`` (``F.scaled_dot_product_attention``'s
+    signature) instead of the standard one, e.g. Gaudi's fused SDPA; None keeps the standard."""
+    if kernel is None:
+        return
+    for m in module.modules():
+        if isinstance(m, CausalAttention):
+            m.sdpa = kernel
 
 
 def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:

@@ -16,6 +16,7 @@ from megatron_lite.data.faults import with_injected_faults
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import (
     on_every_rank,
     on_one_rank_then_all,
@@ -24,6 +25,7 @@ from megatron_lite.distributed.parallel_dims import (
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
+from megatron_lite.parallel.apply import use_attention_kernel
 from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.engine import build_engine, deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
@@ -96,7 +98,10 @@ def run(cfg: Config) -> RunResult:
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition)
+    use_attention_kernel(model, devmod.fused_attention(acc))
     engine = build_engine(model, cfg, dims, iters, acc.device_name())
+    if acc.device_name() == "hpu" and cfg.training.hpu_mode == "compile":
+        engine.compile(backend=acc.get_compile_backend())
 
     run_dir = Path(cfg.logging.dir)
     fpt = flops_per_token(model_cfg, cfg.data.seq_length)

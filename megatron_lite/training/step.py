@@ -65,8 +65,11 @@ def injected_nan_step(rank: int) -> int | None:
 
 
 class StepRunner:
-    def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int):
+    def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
+                 graph_break: Callable[[], None] = lambda: None):
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
+        # Where Gaudi's lazy mode runs the graph built so far (device.graph_break); else a no-op.
+        self.graph_break = graph_break
         self.pipelined = dims.pipeline > 1
         self.own_clipping = trainer_clips_gradients(cfg) and not self.pipelined
         self.grad_norm: torch.Tensor | None = None
@@ -165,6 +168,7 @@ class StepRunner:
             if micro == 0 and step is not None and step == self._nan_step:
                 loss = loss * float("nan")
             engine.backward(loss)
+            self.graph_break()
             loss_sum += loss.detach().float()
             last = micro == self.grad_accum - 1
             if self.own_clipping and last:
@@ -173,6 +177,7 @@ class StepRunner:
             if last:
                 self._loss_sum = loss_sum
             engine.step()
+        self.graph_break()
         if not self.own_clipping:
             self.grad_norm = engine.get_global_grad_norm()
         if self.judge is not None:
