@@ -6,6 +6,7 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
   RECIPE.yaml         a recipe from recipes/ (or your own; 'base: other.yaml' extends another)
   dotted.key=value    overrides, applied after the recipe (e.g. training.iters=100 optimizer.lr=1e-3)
   --print-config      print the resolved config and exit
+  --get KEY           print one resolved value (e.g. --get training.hpu_mode) and exit
   --dry-run           build the model on the meta device, print parameters and FLOPs/token, exit
   --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
                       does not fit); with --world-size N (default: one node), --gpus-per-node G
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
     # The DeepSpeed launcher appends --local_rank=N; the same value is in LOCAL_RANK.
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     try:
-        argv, values = _take_values(argv, PLAN_OPTIONS)
+        argv, values = _take_values(argv, VALUE_OPTIONS)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -48,6 +49,15 @@ def main(argv: list[str]) -> int:
         return 2
     if "--print-config" in flags:
         print(to_yaml(cfg), end="")
+        return 0
+    if "--get" in values:
+        value = cfg
+        for part in values["--get"].split("."):
+            if not hasattr(value, part):
+                print(f"error: no key '{values['--get']}' in the config", file=sys.stderr)
+                return 2
+            value = getattr(value, part)
+        print(value)
         return 0
     if "--dry-run" in flags:
         from megatron_lite.training.run import describe_model
@@ -81,7 +91,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-PLAN_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float}
+VALUE_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float,
+                "--get": str}
 
 
 def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:

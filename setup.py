@@ -18,7 +18,9 @@ setup(
         "tensorboard>=2.15",
     ],
     # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot
-    # (optional for users, tested here).
+    # (optional for users, tested here); mpich: an mpiexec (MPICH's Hydra) for running
+    # launch/polaris.sh on a workstation and in the tests.
     extras_require={"report": ["matplotlib>=3.7"],
-                    "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7"]},
+                    "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7",
+                             "mpich>=4; sys_platform == 'linux'"]},
 )

@@ -5,10 +5,22 @@
 #PBS -l filesystems=home:eagle
 #PBS -q debug-scaling
 #PBS -A YOUR_PROJECT
-# Train on ALCF Polaris (4×A100 per node) with mpiexec, one rank per GPU.
-#   RECIPE=recipes/gpt2-124m.yaml OVERRIDES="training.iters=100" qsub launch/polaris.sh
-#   launch/polaris.sh recipes/gpt2-124m.yaml training.iters=100     # inside an interactive job
-#   launch/polaris.sh --dry-run recipes/gpt2-124m.yaml              # print the command only
+#PBS -j oe
+# Train on ALCF Polaris (4 × A100 per node) with mpiexec, one rank per GPU.
+#
+#   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES="training.iters=100" launch/polaris.sh
+#   launch/polaris.sh RECIPE [overrides]            # inside an interactive job (qsub -I ...)
+#   launch/polaris.sh --dry-run RECIPE [overrides]  # print the environment and command only
+#
+# Any #PBS line above can be overridden on the qsub command line (-l select=8:system=polaris,
+# -l walltime=06:00:00, -q prod, -A PROJECT, -l filesystems=home:grand).
+#
+# Settings (environment):
+#   NGPUS_PER_NODE         ranks per node (default 4, the A100s of a Polaris node)
+#   PYTHON                 the interpreter to run (default: python from the active environment)
+#   MPI_FLAVOR             pals (Polaris' Cray mpiexec) or hydra (MPICH); detected by default
+#   WALLTIME               HH:MM:SS; default: the job's Resource_List.walltime from qstat
+#   CHECKPOINT_MARGIN_MIN  minutes before walltime at which the run saves and exits (default 10)
 set -euo pipefail
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
@@ -20,21 +32,71 @@ OVERRIDES_ARR=("$@")
 if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then read -r -a OVERRIDES_ARR <<< "$OVERRIDES"; fi
 
 NODEFILE="${PBS_NODEFILE:-}"
-NNODES=$([[ -n "$NODEFILE" && -f "$NODEFILE" ]] && sort -u "$NODEFILE" | wc -l || echo 1)
-PPN=4
+if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
+NNODES=$([[ -n "$NODEFILE" ]] && sort -u "$NODEFILE" | grep -c . || echo 1)
+PPN="${NGPUS_PER_NODE:-4}"
 NRANKS=$((NNODES * PPN))
-MASTER_ADDR=$([[ -n "$NODEFILE" && -f "$NODEFILE" ]] && head -n 1 "$NODEFILE" || hostname)
+MASTER_ADDR=$([[ -n "$NODEFILE" ]] && head -n 1 "$NODEFILE" || hostname)
 export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
-# NCCL over Slingshot via the AWS OFI plugin, as ALCF documents for PyTorch on Polaris.
-export NCCL_NET_GDR_LEVEL=PHB        # GPU-direct RDMA when GPU and NIC share a PCIe host bridge
-export NCCL_CROSS_NIC=1              # rings may cross NICs (Polaris nodes have several)
-export NCCL_COLLNET_ENABLE=1
-export NCCL_NET="AWS Libfabric"      # use the OFI plugin rather than sockets
-export FI_CXI_DISABLE_HOST_REGISTER=1  # avoid libfabric host-memory registration hangs
-export FI_MR_CACHE_MONITOR=userfaultfd # memory-registration cache monitor that works with CUDA
-export FI_CXI_DEFAULT_CQ_SIZE=131072   # larger completion queues for many-rank collectives
-CMD=(mpiexec -n "$NRANKS" -ppn "$PPN" --cpu-bind depth -d 16 --envall
-     ${NODEFILE:+--hostfile "$NODEFILE"} python pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}")
+
+# NCCL over the Slingshot network through the AWS OFI (libfabric) plugin, as ALCF documents for
+# PyTorch on Polaris.
+export NCCL_NET_GDR_LEVEL=PHB          # GPU-direct RDMA when GPU and NIC share a PCIe host bridge
+export NCCL_CROSS_NIC=1                # rings may use different NICs on different nodes
+export NCCL_COLLNET_ENABLE=1           # in-network collectives where the fabric offers them
+export NCCL_NET="AWS Libfabric"        # use the OFI plugin, not TCP sockets
+export FI_CXI_DISABLE_HOST_REGISTER=1  # avoid libfabric host-memory registration hangs with CUDA
+export FI_MR_CACHE_MONITOR=userfaultfd # a memory-registration cache monitor that works with CUDA
+export FI_CXI_DEFAULT_CQ_SIZE=131072   # larger completion queues for collectives over many ranks
+
+# Stop in time to checkpoint: PBS Pro cannot signal a job before its walltime, so this script
+# does. It sets training.exit_duration_mins (the trainer saves and exits 0 that long after its
+# start) and, as a second line, sends SIGUSR1 to mpiexec (which forwards it to the ranks; the
+# trainer saves and exits on it, checkpoint.save_on_signal) CHECKPOINT_MARGIN_MIN before walltime.
+MARGIN_MIN="${CHECKPOINT_MARGIN_MIN:-10}"
+WALLTIME="${WALLTIME:-}"
+if [[ -z "$WALLTIME" && -n "${PBS_JOBID:-}" ]] && command -v qstat > /dev/null; then
+    WALLTIME=$(qstat -f "$PBS_JOBID" 2> /dev/null | awk '/Resource_List.walltime/ {print $3}' || true)
+fi
+SIGNAL_AFTER_S=""
+if [[ "$WALLTIME" =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]]; then
+    WALL_S=$((10#${BASH_REMATCH[1]} * 3600 + 10#${BASH_REMATCH[2]} * 60 + 10#${BASH_REMATCH[3]}))
+    SIGNAL_AFTER_S=$((WALL_S - MARGIN_MIN * 60))
+    if ((SIGNAL_AFTER_S > 0)) && [[ " ${OVERRIDES_ARR[*]:-} " != *" training.exit_duration_mins="* ]]; then
+        OVERRIDES_ARR+=("training.exit_duration_mins=$((SIGNAL_AFTER_S / 60))")
+    fi
+fi
+
+FLAVOR="${MPI_FLAVOR:-}"
+if [[ -z "$FLAVOR" ]]; then
+    FLAVOR=pals
+    if command -v mpiexec > /dev/null && mpiexec --version 2>&1 | grep -qi hydra; then FLAVOR=hydra; fi
+fi
+if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher: no depth binding, -genvall exports the env
+    MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+-hostfile "$NODEFILE"} -genvall)
+else                               # Cray PALS: 16 cores (of 64) per rank, bound by depth
+    MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+--hostfile "$NODEFILE"} --cpu-bind depth -d 16 --envall)
+fi
+CMD=("${MPI[@]}" "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}")
+
+INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
+[[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
+echo "$INFO"
 echo "${CMD[@]}"
 [[ $DRY_RUN -eq 1 ]] && exit 0
-exec "${CMD[@]}"
+
+"${CMD[@]}" &
+MPI_PID=$!
+# Signals sent to this script (qdel's SIGTERM, a manual SIGUSR1) go to the ranks through mpiexec.
+trap 'kill -TERM "$MPI_PID" 2> /dev/null' TERM
+trap 'kill -USR1 "$MPI_PID" 2> /dev/null' USR1
+if [[ -n "$SIGNAL_AFTER_S" ]] && ((SIGNAL_AFTER_S > 0)); then
+    (sleep "$SIGNAL_AFTER_S" && kill -USR1 "$MPI_PID" 2> /dev/null) &
+    WATCHER=$!
+fi
+STATUS=0
+while kill -0 "$MPI_PID" 2> /dev/null; do  # a trapped signal interrupts wait: wait again
+    wait "$MPI_PID" && STATUS=0 || STATUS=$?
+done
+[[ -n "${WATCHER:-}" ]] && kill "$WATCHER" 2> /dev/null || true
+exit "$STATUS"

@@ -1,0 +1,106 @@
+"""launch/polaris.sh and launch/gaudi.sh: the commands they build, and a real mpiexec run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, char_overrides, cpu_env, read_metrics
+
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def _launch(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in cpu_env().items() if k not in ("PBS_NODEFILE", "PBS_JOBID", "HOSTFILE")}
+    full = {**base, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(REPO / "launch" / script), *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _nodefile(tmp_path, hosts: list[str]) -> str:
+    path = tmp_path / "nodefile"
+    path.write_text("".join(f"{h}\n" for h in hosts))  # PBS lists a host once per chunk
+    return str(path)
+
+
+@pytest.mark.parametrize("hosts, ranks", [(["x3001c0s1b0n0", "x3002c0s1b0n0"], 8), (["x3001c0s1b0n0"], 4)])
+@pytest.mark.parametrize("flavor", ["pals", "hydra"])
+def test_polaris_dry_run_counts_nodes(tmp_path, hosts, ranks, flavor):
+    nodefile = _nodefile(tmp_path, hosts)
+    out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", "training.iters=10",
+                  PBS_NODEFILE=nodefile, MPI_FLAVOR=flavor)
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.splitlines()[-1]
+    hostfile = "--hostfile" if flavor == "pals" else "-hostfile"
+    assert command.startswith(f"mpiexec -n {ranks} -ppn 4 {hostfile} {nodefile} ")
+    assert command.endswith(f"{sys.executable} pretrain.py recipes/gpt2-124m.yaml training.iters=10")
+    assert ("--cpu-bind depth -d 16 --envall" in command) == (flavor == "pals")
+    assert f"master {hosts[0]}:29500" in out.stdout
+
+
+def test_polaris_recipe_from_qsub_variables_and_walltime(tmp_path):
+    nodefile = _nodefile(tmp_path, ["x3001c0s1b0n0"])
+    out = _launch("polaris.sh", "--dry-run", PBS_NODEFILE=nodefile, MPI_FLAVOR="pals",
+                  RECIPE="recipes/gpt2-124m.yaml", OVERRIDES="training.iters=5 optimizer.lr=1e-3",
+                  WALLTIME="02:00:00", CHECKPOINT_MARGIN_MIN="15", NGPUS_PER_NODE="2")
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.splitlines()[-1]
+    assert command.startswith("mpiexec -n 2 -ppn 2 ")
+    # Saves and exits 15 minutes before the 2-hour walltime: by its own clock and by SIGUSR1.
+    assert command.endswith("recipes/gpt2-124m.yaml training.iters=5 optimizer.lr=1e-3 "
+                            "training.exit_duration_mins=105")
+    assert "SIGUSR1 to mpiexec after 6300 s" in out.stdout
+    mine = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", "training.exit_duration_mins=30",
+                   PBS_NODEFILE=nodefile, MPI_FLAVOR="pals", WALLTIME="02:00:00")
+    assert mine.stdout.splitlines()[-1].endswith("training.exit_duration_mins=30")  # the user's wins
+
+
+@pytest.mark.parametrize("mode, lazy", [("lazy", "1"), ("eager", "0"), ("compile", "0")])
+def test_gaudi_dry_run_sets_the_execution_mode(mode, lazy):
+    out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", f"training.hpu_mode={mode}",
+                  HPUS_PER_NODE="4")
+    assert out.returncode == 0, out.stderr
+    env_line, command = out.stdout.splitlines()[-2:]
+    assert f"training.hpu_mode={mode} PT_HPU_LAZY_MODE={lazy} HABANA_VISIBLE_MODULES=0,1,2,3" in env_line
+    assert "DS_ACCELERATOR=hpu" in env_line
+    assert command.startswith("deepspeed --num_gpus 4 ")
+    assert command.endswith(f"pretrain.py recipes/llama2-7b-gaudi.yaml training.device=hpu "
+                            f"training.hpu_mode={mode}")
+
+
+def test_gaudi_mpirun_over_a_hostfile(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("g1 slots=8\ng2 slots=8\n")
+    out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", LAUNCHER="mpirun",
+                  HOSTFILE=str(hosts))
+    assert out.returncode == 0, out.stderr
+    env_line, command = out.stdout.splitlines()[-2:]
+    assert "PT_HPU_LAZY_MODE=1" in env_line and "MASTER_ADDR=g1" in env_line
+    assert command.startswith(f"mpirun -n 16 --map-by ppr:8:node --bind-to none --hostfile {hosts} ")
+    assert "-x PT_HPU_LAZY_MODE -x HABANA_VISIBLE_MODULES" in command
+    bad = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", LAUNCHER="srun")
+    assert bad.returncode == 2 and "use deepspeed or mpirun" in bad.stderr
+
+
+def test_polaris_script_trains_for_real_with_mpiexec(tmp_path):
+    path = os.pathsep.join([VENV_BIN, os.environ.get("PATH", "")])
+    if shutil.which("mpiexec", path=path) is None:
+        pytest.skip("no mpiexec: the test extra installs MPICH's (pip install -e '.[test]'), or "
+                    "Debian's mpich package provides one")
+    nodefile = _nodefile(tmp_path, [socket.gethostname()])  # one host: this machine
+    out = _launch("polaris.sh", "recipes/shakespeare-char.yaml", *char_overrides(tmp_path),
+                  "training.iters=3", "training.log_interval=1", "training.eval_interval=0",
+                  "training.eval_iters=1", "training.global_batch_size=8", "training.micro_batch_size=4",
+                  "training.sample_tokens=0", PBS_NODEFILE=nodefile, NGPUS_PER_NODE="2", PATH=path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mpiexec -n 2 -ppn 2" in out.stdout and "final validation loss" in out.stdout
+    runtime = json.loads((tmp_path / "run" / "runtime.json").read_text())
+    assert runtime["world_size"] == 2 and runtime["data_parallel"] == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
