@@ -185,6 +185,11 @@ class TrainingConfig:
     """Accelerator; ``auto`` takes what DeepSpeed detects."""
     precision: str = choice("fp32", "bf16", "fp16")
     """Training precision (bf16/fp16 through DeepSpeed's mixed-precision engine)."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (the accelerator's backend: inductor
+    on CPU/CUDA, ``hpu_backend`` on Gaudi). The first steps pay the compilation (seconds to a
+    minute); later ones run fused elementwise kernels. Works with every layout and with
+    activation checkpointing."""
     hpu_mode: str = choice("lazy", "eager", "compile")
     """Intel Gaudi execution mode: ``lazy`` graph mode (``PT_HPU_LAZY_MODE=1``; the graph is cut
     after backward and after the optimizer step), ``eager``, or eager with ``torch.compile`` on

@@ -165,6 +165,16 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
     return materialize(model, cfg, device, seed)
 
 
+def compile_blocks(module: nn.Module, backend: str) -> int:
+    """``torch.compile`` every transformer block in place (parameter names unchanged); returns
+    how many. Blocks, not the whole model: every block has the same graph, so one compilation
+    serves all, and the fused loss and the pipeline's stage boundaries stay eager."""
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
+
+
 def use_attention_kernel(module: nn.Module, kernel) -> None:
     """Have every attention core call ``kernel`` (``F.scaled_dot_product_attention``'s
     signature) instead of the standard one, e.g. Gaudi's fused SDPA; None keeps the standard."""
