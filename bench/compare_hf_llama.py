@@ -37,6 +37,7 @@ from megatron_lite.distributed import detect, init_distributed  # noqa: E402
 from megatron_lite.logging import MetricsLogger  # noqa: E402
 from megatron_lite.model import build_model  # noqa: E402
 from megatron_lite.model.hf_convert import to_hf  # noqa: E402
+from megatron_lite.parallel.apply import compile_blocks  # noqa: E402
 from megatron_lite.training.engine import build_engine  # noqa: E402
 from megatron_lite.training.trainer import Trainer  # noqa: E402
 
@@ -47,7 +48,7 @@ def make_config(a: argparse.Namespace) -> Config:
                           d_model=a.d_model, max_seq_len=a.seq),
         data=DataConfig(prefix="unused", tokenizer=TokenizerConfig(model="unused"), seq_length=a.seq),
         optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-4, weight_decay=0.1, grad_clip=1.0),
-        training=TrainingConfig(iters=10**6, micro_batch_size=a.batch, device="cpu"),
+        training=TrainingConfig(iters=10**6, micro_batch_size=a.batch, device="cpu", compile=a.compile),
     )
     problems = validate(cfg)
     if problems:
@@ -66,6 +67,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--compile", action="store_true",
+                   help="ours with training.compile (the baseline stays eager)")
     a = p.parse_args()
     cfg = make_config(a)
     dims, acc = init_distributed(cfg, detect())
@@ -81,6 +84,8 @@ def main() -> None:
     hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
+    if cfg.training.compile:
+        compile_blocks(model, acc.get_compile_backend())
     engine = build_engine(model, cfg, dims, cfg.training.iters, acc.device_name())
     trainer = Trainer(cfg, dims, acc, engine, None, MetricsLogger(cfg, Path("."), False, {}),
                       cfg.training.iters, 0.0, lambda m: None)
@@ -129,7 +134,8 @@ def main() -> None:
     print(f"model: Llama {a.layers} layers, d_model {a.d_model}, heads {a.heads}/{a.kv_heads} kv, "
           f"vocab {a.vocab}, {params / 1e6:.1f}M params | batch {a.batch} x seq {a.seq} | fp32 | "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"megatron_lite (DeepSpeed engine): {ours_tps:,.0f} tokens/s "
+    engine_name = "DeepSpeed engine, compiled blocks" if a.compile else "DeepSpeed engine"
+    print(f"megatron_lite ({engine_name}): {ours_tps:,.0f} tokens/s "
           f"(median {1000 * statistics.median(ours_t):.1f} ms/step)")
     print(f"transformers LlamaForCausalLM loop: {hf_tps:,.0f} tokens/s "
           f"(median {1000 * statistics.median(hf_t):.1f} ms/step)")

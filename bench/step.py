@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Time the training step of a recipe: throughput, MFU and where the time goes.
+
+    DS_ACCELERATOR=cpu python bench/step.py recipes/shakespeare-char.yaml [overrides] [--steps 20]
+    torchrun --nproc-per-node 4 bench/step.py recipes/gpt2-124m.yaml --steps 20
+
+1. The real step (``Trainer.train_step`` on the DeepSpeed engine, the recipe's data loader)
+   after ``--warmup`` steps: tokens/s, TFLOP/s per device and MFU (the device's peak from the
+   table in ``distributed/device.py``; none on CPU).
+2. A breakdown over ``--breakdown`` more steps, synchronising the device between phases: data
+   wait, forward, backward, optimizer step; communication is the time the PyTorch profiler
+   records in collective operations (inside backward and the optimizer step). Not under
+   pipeline parallelism, where DeepSpeed's engine interleaves the phases.
+3. On one process: the same model as a plain loop around transformers' model class
+   (LlamaForCausalLM, or GPT2LMHeadModel for GPT-2-style recipes), same weights, batches and
+   AdamW, timed in alternating rounds with ours, and the ratio of the two (``--no-baseline``
+   skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+from megatron_lite.config import load_config  # noqa: E402
+from megatron_lite.data.build import ensure_dataset  # noqa: E402
+from megatron_lite.data.source import build_data  # noqa: E402
+from megatron_lite.distributed import detect, init_distributed  # noqa: E402
+from megatron_lite.distributed import device as devmod  # noqa: E402
+from megatron_lite.distributed.parallel_dims import on_one_rank_then_all  # noqa: E402
+from megatron_lite.logging import MetricsLogger  # noqa: E402
+from megatron_lite.model import build_model, flops_per_token, resolve_model  # noqa: E402
+from megatron_lite.model.hf_convert import to_hf  # noqa: E402
+from megatron_lite.parallel import build_parallel_model  # noqa: E402
+from megatron_lite.parallel.apply import compile_blocks  # noqa: E402
+from megatron_lite.training.engine import build_engine  # noqa: E402
+from megatron_lite.training.trainer import Trainer  # noqa: E402
+
+COLLECTIVES = ("c10d", "nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather",
+               "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+
+
+def timed(fn, n: int, sync) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / n
+
+
+def breakdown(trainer: Trainer, batches, n: int, sync) -> dict[str, float]:
+    """Mean seconds per step in data wait, forward, backward and optimizer step."""
+    runner, engine, device = trainer.steps, trainer.engine, trainer.device
+    parts = dict.fromkeys(("data wait", "forward", "backward", "optimizer"), 0.0)
+    for _ in range(n):
+        for _micro in range(runner.grad_accum):
+            sync()
+            t0 = time.perf_counter()
+            batch = next(batches)
+            inputs, targets = runner.split(batch.to(device, non_blocking=True))
+            sync()
+            t1 = time.perf_counter()
+            loss = engine(inputs, targets)
+            sync()
+            t2 = time.perf_counter()
+            engine.backward(loss)
+            sync()
+            t3 = time.perf_counter()
+            engine.step()
+            sync()
+            t4 = time.perf_counter()
+            parts["data wait"] += t1 - t0
+            parts["forward"] += t2 - t1
+            parts["backward"] += t3 - t2
+            parts["optimizer"] += t4 - t3
+    return {k: v / n for k, v in parts.items()}
+
+
+def communication(trainer: Trainer, batches, n: int, device_type: str) -> float:
+    """Seconds per step the profiler records in collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            trainer.train_step(batches)
+    total = 0.0
+    for event in prof.key_averages():
+        if any(k in event.key.lower() for k in COLLECTIVES):
+            total += max(event.self_cpu_time_total, getattr(event, "self_device_time_total", 0.0))
+    return total / 1e6 / n
+
+
+def hf_baseline(model_cfg, cfg, batches, steps: int):
+    """A step function of the plain transformers loop on the same weights and batches."""
+    from transformers import AutoModelForCausalLM
+
+    reference = build_model(model_cfg, "cpu", cfg.training.seed)
+    hf_cfg, state = to_hf(reference.state_dict(), model_cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    hf = AutoModelForCausalLM.from_config(hf_cfg)
+    hf.load_state_dict(state, strict=False)  # (GPT-2 keeps causal-mask buffers of its own)
+    hf.train()
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(hf.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    accum = steps
+
+    def step() -> None:
+        for _ in range(accum):
+            batch = next(batches)
+            loss = hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (per round with the baseline)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds against the baseline")
+    p.add_argument("--breakdown", type=int, default=3, help="steps of the per-phase breakdown")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    a = p.parse_args()
+
+    cfg = load_config(a.recipe, a.overrides)
+    dims, acc = init_distributed(cfg, detect())
+    on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims)
+    gb = dims.global_batch(cfg)
+    budget = gb * (a.warmup + a.steps * (a.rounds + 1) + 2 * a.breakdown + 4)
+    data = build_data(cfg.data, budget, gb)
+    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
+    model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
+                                 cfg.parallel.pipeline_partition)
+    if cfg.training.compile:
+        compile_blocks(model, acc.get_compile_backend())
+    iters = 10**6
+    engine = build_engine(model, cfg, dims, iters, acc.device_name())
+    fpt = flops_per_token(model_cfg, cfg.data.seq_length)
+    quiet = MetricsLogger(cfg, Path("."), False, {})
+    trainer = Trainer(cfg, dims, acc, engine, data, quiet, iters, fpt, lambda m: None)
+    batches = trainer._train_batches()
+    sync = acc.synchronize
+
+    def ours() -> None:
+        trainer.train_step(batches).item()  # the loop reads the loss at log steps; here at every step
+
+    for _ in range(a.warmup):
+        ours()
+    baseline = None
+    one_process = dims.world_size == 1 and not a.no_baseline
+    if one_process:
+        hf_batches = trainer._batches(data.train, 0, None, workers=False)
+        baseline = hf_baseline(model_cfg, cfg, hf_batches, dims.grad_accumulation(cfg))
+        for _ in range(a.warmup):
+            baseline()
+    ours_t, hf_t = [], []
+    for _ in range(a.rounds if baseline else 1):
+        ours_t.append(timed(ours, a.steps, sync))
+        if baseline:
+            hf_t.append(timed(baseline, a.steps, sync))
+    step_s = statistics.median(ours_t)
+    tokens = gb * cfg.data.seq_length
+    per_device = tokens / step_s / dims.world_size
+    peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
+    result = {
+        "recipe": a.recipe, "overrides": a.overrides, "device": devmod.device_name(acc),
+        "world_size": dims.world_size, "tokens_per_step": tokens, "step_ms": 1000 * step_s,
+        "tokens_per_sec": tokens / step_s, "tokens_per_sec_per_device": per_device,
+        "tflops_per_device": per_device * fpt / 1e12,
+        "mfu": per_device * fpt / peak if peak else None,
+    }
+    if dims.pipeline == 1:
+        parts = breakdown(trainer, batches, a.breakdown, sync)
+        parts["communication (in backward/optimizer)"] = communication(trainer, batches, a.breakdown,
+                                                                        acc.device_name())
+        result["breakdown_ms"] = {k: 1000 * v for k, v in parts.items()}
+    if hf_t:
+        result["baseline_step_ms"] = 1000 * statistics.median(hf_t)
+        result["ratio_vs_transformers"] = statistics.median(hf_t) / step_s
+    if dims.is_main:
+        print(f"{a.recipe} {' '.join(a.overrides)} | {result['device']} × {dims.world_size} | "
+              f"{cfg.training.precision} | {tokens:,} tokens/step"
+              f"{' | compiled blocks' if cfg.training.compile else ''}")
+        print(f"step {result['step_ms']:.1f} ms | {result['tokens_per_sec']:,.0f} tokens/s | "
+              f"{result['tokens_per_sec_per_device']:,.0f} tokens/s/device | "
+              f"{result['tflops_per_device']:.3f} TFLOP/s/device | MFU "
+              + (f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak known)"))
+        for name, ms in result.get("breakdown_ms", {}).items():
+            print(f"  {name:<40} {ms:8.1f} ms")
+        if hf_t:
+            print(f"transformers plain loop: {result['baseline_step_ms']:.1f} ms/step | ratio (ours / "
+                  f"transformers, throughput): {result['ratio_vs_transformers']:.2f}")
+        if a.json:
+            a.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
