@@ -40,6 +40,7 @@ from megatron_lite.distributed import device as devmod  # noqa: E402
 from megatron_lite.distributed.parallel_dims import on_one_rank_then_all  # noqa: E402
 from megatron_lite.logging import MetricsLogger  # noqa: E402
 from megatron_lite.model import build_model, flops_per_token, resolve_model  # noqa: E402
+from megatron_lite.model.flops import mfu  # noqa: E402
 from megatron_lite.model.hf_convert import to_hf  # noqa: E402
 from megatron_lite.parallel import build_parallel_model  # noqa: E402
 from megatron_lite.parallel.apply import compile_blocks  # noqa: E402
@@ -190,7 +191,7 @@ def main() -> None:
         "world_size": dims.world_size, "tokens_per_step": tokens, "step_ms": 1000 * step_s,
         "tokens_per_sec": tokens / step_s, "tokens_per_sec_per_device": per_device,
         "tflops_per_device": per_device * fpt / 1e12,
-        "mfu": per_device * fpt / peak if peak else None,
+        "mfu": mfu(per_device, fpt, peak),
     }
     if dims.pipeline == 1:
         parts = breakdown(trainer, batches, a.breakdown, sync)

@@ -37,3 +37,11 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     weighted sum of values (2 matmuls × 2 FLOPs × 3 for forward+backward; no causal discount).
     Activation recompute is not model FLOPs and is not counted."""
     return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_length
+
+
+def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak (None
+    when the peak is unknown, e.g. CPUs)."""
+    if not peak:
+        return None
+    return tokens_per_sec_per_device * flops_per_token / peak

@@ -20,6 +20,7 @@ from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean, broadcast_object
 from megatron_lite.logging import MetricsLogger, console_line
+from megatron_lite.model.flops import mfu
 from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
 from megatron_lite.training.control import RunControl
 from megatron_lite.training.generate import sample
@@ -300,7 +301,7 @@ class Trainer:
             "grad_norm": float(gnorm) if gnorm is not None else None,
             "step_time_ms": 1000.0 * seconds / steps, "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops,
-            "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "mfu": mfu(per_device, self.flops_per_token, self.peak),
             "memory_gib": devmod.memory_gib(self.acc),
             "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_samples * self.cfg.data.seq_length,

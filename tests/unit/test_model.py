@@ -98,3 +98,26 @@ def test_tied_embeddings_share_storage():
     cfg = ModelConfig(vocab_size=50, n_layers=1, n_heads=2, d_model=16, max_seq_len=8, tie_embeddings=True)
     model = build_model(cfg)
     assert model.lm_head.weight is model.tok_emb.weight
+
+
+def test_mfu_by_hand():
+    from megatron_lite.distributed.device import peak_flops
+    from megatron_lite.model.flops import mfu
+
+    # GPT-2 124M (d 768, 12 layers, vocab 50304 tied, seq 1024) at 150,000 tokens/s on an A100
+    # (N = 123,689,472 matmul parameters):
+    # N = 12·(4·768² + 4·768 + 2·4·768² + 4·768 + 768 + 4·768 + 2·2·768) + 2·768 + 50304·768
+    d, L, V, T = 768, 12, 50304, 1024
+    cfg = ModelConfig(vocab_size=V, n_layers=L, n_heads=12, d_model=d, max_seq_len=T, position="learned",
+                      norm="layernorm", activation="gelu", bias=True, tie_embeddings=True)
+    per_layer = (4 * d * d + 4 * d) + (2 * 4 * d * d + 4 * d + d) + 2 * 2 * d
+    n = L * per_layer + 2 * d + V * d
+    fpt = 6 * n + 12 * L * d * T
+    assert flops_per_token(cfg, T) == fpt
+    peak = peak_flops("NVIDIA A100-SXM4-40GB", "bf16")
+    assert peak == 312e12 and peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 156e12
+    assert mfu(150_000, fpt, peak) == 150_000 * fpt / 312e12
+    assert round(mfu(150_000, fpt, peak), 4) == 0.4112  # 855,383,040 FLOPs per token
+    assert mfu(150_000, fpt, None) is None  # CPUs: no peak, no MFU
+    # Recompute is not model FLOPs: checkpointing leaves the count unchanged.
+    assert flops_per_token(dataclasses.replace(cfg, activation_checkpointing=True), T) == fpt
