@@ -3,6 +3,7 @@
 
     DS_ACCELERATOR=cpu python bench/step.py recipes/shakespeare-char.yaml [overrides] [--steps 20]
     torchrun --nproc-per-node 4 bench/step.py recipes/gpt2-124m.yaml --steps 20
+    python bench/step.py recipes/llama3.2-1b.yaml --synthetic      # one GPU, no dataset needed
 
 1. The real step (``Trainer.train_step`` on the DeepSpeed engine, the recipe's data loader)
    after ``--warmup`` steps: tokens/s, TFLOP/s per device and MFU (the device's peak from the
@@ -49,6 +50,33 @@ from megatron_lite.training.trainer import Trainer  # noqa: E402
 
 COLLECTIVES = ("c10d", "nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather",
                "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+
+
+class SyntheticData:
+    """Stands in for ``DataSource`` with uniformly random tokens (no dataset or tokenizer)."""
+
+    class _Tokenizer:
+        def __init__(self, vocab_size: int):
+            self.vocab_size = vocab_size
+
+    class _Samples(torch.utils.data.Dataset):
+        def __init__(self, vocab_size: int, seq_length: int):
+            self.vocab_size, self.seq_length = vocab_size, seq_length
+
+        def __len__(self) -> int:
+            return 2**62
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(i)
+            return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=g)
+
+    def __init__(self, vocab_size: int, seq_length: int):
+        self.tokenizer = self._Tokenizer(vocab_size)
+        self.train = self.valid = self._Samples(vocab_size, seq_length)
+        self.num_workers = 0
+
+    def loader(self, dataset, sampler):
+        return (torch.stack([dataset[i] for i in idx]) for idx in sampler)
 
 
 def timed(fn, n: int, sync) -> float:
@@ -143,15 +171,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds against the baseline")
     p.add_argument("--breakdown", type=int, default=3, help="steps of the per-phase breakdown")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--synthetic", action="store_true",
+                   help="random tokens instead of the recipe's dataset (needs model.vocab_size)")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
 
     cfg = load_config(a.recipe, a.overrides)
     dims, acc = init_distributed(cfg, detect())
-    on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims)
     gb = dims.global_batch(cfg)
-    budget = gb * (a.warmup + a.steps * (a.rounds + 1) + 2 * a.breakdown + 4)
-    data = build_data(cfg.data, budget, gb)
+    if a.synthetic:
+        if cfg.model.vocab_size is None:
+            raise SystemExit("--synthetic needs model.vocab_size (the tokenizer is not read)")
+        data = SyntheticData(cfg.model.vocab_size, cfg.data.seq_length)
+    else:
+        on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims)
+        budget = gb * (a.warmup + a.steps * (a.rounds + 1) + 2 * a.breakdown + 4)
+        data = build_data(cfg.data, budget, gb)
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition)

@@ -1,0 +1,35 @@
+"""bench/step.py runs end to end and reports what docs/performance.md says (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, char_overrides, cpu_env
+
+SHORT = ["--warmup", "1", "--steps", "2", "--rounds", "1", "--breakdown", "1"]
+
+
+@pytest.mark.parametrize("kind", ["gpt2-style-dataset", "llama-synthetic"])
+def test_bench_step_reports_throughput_breakdown_and_ratio(tmp_path, kind):
+    if kind == "gpt2-style-dataset":
+        args = ["recipes/shakespeare-char.yaml", *char_overrides(tmp_path)[:3]]
+    else:
+        args = ["recipes/quickstart.yaml", "model.vocab_size=512", "model.n_layers=2", "model.d_model=64",
+                "model.n_heads=4", "model.n_kv_heads=2", "data.seq_length=32", "training.micro_batch_size=2",
+                "training.global_batch_size=4", "--synthetic"]
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step.py"), *args, *SHORT, "--json", str(out)],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 1 and r["step_ms"] > 0 and r["mfu"] is None  # CPU: no peak
+    assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_ms"] * 1000)
+    assert set(r["breakdown_ms"]) == {"data wait", "forward", "backward", "optimizer",
+                                      "communication (in backward/optimizer)"}
+    assert r["baseline_step_ms"] > 0 and r["ratio_vs_transformers"] == pytest.approx(
+        r["baseline_step_ms"] / r["step_ms"])
+    assert "transformers plain loop" in proc.stdout
