@@ -25,6 +25,7 @@ fragmentation, the CUDA context) — keep 10-20% free. FLOPs per token: ``model.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from megatron_lite.config.schema import Config, ModelConfig
@@ -77,8 +78,6 @@ def stage_layers(counts: ParameterCounts, pipeline: int, method: str) -> list[tu
     layers = [counts.embedding, *([counts.block] * counts.n_layers), counts.head]
     if pipeline == 1:
         return [(0, counts.n_layers, counts.total)]
-    import os
-
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the partitioner needs no device
     from deepspeed.runtime import utils as ds_utils
 

@@ -170,21 +170,31 @@ class SpikeTracker:
             self.detector.load_state_dict(state["detector"])
         self.consecutive_nonfinite = 0
 
-    def read_log(self) -> list[str]:
-        """The lines of ``spikes.jsonl`` (rank 0 reads, the trainer broadcasts them)."""
+    def _lines(self) -> list[str]:
         if not self.path.is_file():
             return []
         return [line for line in self.path.read_text().splitlines() if line.strip()]
 
-    def resume(self, state: dict | None, lines: list[str]) -> None:
+    def read_log(self) -> list[dict]:
+        """What ``resume`` needs of ``spikes.jsonl``, one small record per event (the event kind;
+        for rollbacks their count and window) — rank 0 reads it and the trainer broadcasts it,
+        without the per-sample provenance."""
+        out = []
+        for line in self._lines():
+            record = json.loads(line)
+            keep = ("event", "rollbacks", "skip_samples") if record.get("event") == "rollback" else ("event",)
+            out.append({k: record[k] for k in keep})
+        return out
+
+    def resume(self, state: dict | None, events: list[dict]) -> None:
         """Restore the state saved with the checkpoint (None: a fresh start) and cut
-        ``spikes.jsonl`` (given as ``lines``, the same on every rank) back to what it accounts
-        for. Rollbacks recorded after the checkpoint was written are kept, with their skipped
-        windows (the resumed run must skip them too); events after the last of them are
+        ``spikes.jsonl`` (summarised by ``read_log``, the same on every rank) back to what it
+        accounts for. Rollbacks recorded after the checkpoint was written are kept, with their
+        skipped windows (the resumed run must skip them too); events after the last of them are
         dropped, as the resumed run meets them again. On a fresh start an old file is renamed,
         not overwritten."""
         if state is None:
-            if lines and self.is_main:
+            if events and self.is_main:
                 k = 1
                 while (old := self.path.with_name(f"spikes.{k}.jsonl")).exists():
                     k += 1
@@ -195,17 +205,16 @@ class SpikeTracker:
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
         self.events, self.rollbacks = state["events"], state["rollbacks"]
         self.skip = [tuple(w) for w in state["skip"]]
-        keep = min(self.events, len(lines))
-        for i, line in enumerate(lines):
-            record = json.loads(line)
-            if i >= self.events and record.get("event") == "rollback":
+        keep = min(self.events, len(events))
+        for i, record in enumerate(events):
+            if i >= self.events and record["event"] == "rollback":
                 keep = i + 1
                 self.rollbacks = max(self.rollbacks, record["rollbacks"])
                 window = tuple(record["skip_samples"])
                 if window not in self.skip:
                     self.skip.append(window)
         self.events = keep
-        if self.is_main and len(lines) > keep:
+        if self.is_main and len(events) > keep:
             tmp = self.path.with_name(SPIKES_FILE + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in lines[:keep]))
+            tmp.write_text("".join(line + "\n" for line in self._lines()[:keep]))
             tmp.replace(self.path)
