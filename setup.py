@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned: GPU/HPU systems bring their own build (the Makefile pins the CPU one).
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",
         "deepspeed>=0.16",
         "omegaconf>=2.3",
         "transformers>=4.45",

@@ -22,29 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+
+from megatron_lite.distributed import device as devmod  # noqa: E402
+
+devmod.cpu_unless_accelerator()
 
 from megatron_lite.config import load_config  # noqa: E402
 from megatron_lite.data.build import ensure_dataset  # noqa: E402
 from megatron_lite.data.source import build_data  # noqa: E402
 from megatron_lite.distributed import detect, init_distributed  # noqa: E402
-from megatron_lite.distributed import device as devmod  # noqa: E402
 from megatron_lite.distributed.parallel_dims import on_one_rank_then_all  # noqa: E402
 from megatron_lite.logging import MetricsLogger  # noqa: E402
 from megatron_lite.model import build_model, flops_per_token, resolve_model  # noqa: E402
 from megatron_lite.model.flops import mfu  # noqa: E402
 from megatron_lite.model.hf_convert import to_hf  # noqa: E402
 from megatron_lite.parallel import build_parallel_model  # noqa: E402
-from megatron_lite.parallel.apply import compile_blocks  # noqa: E402
+from megatron_lite.parallel.apply import compile_blocks, use_loss_kernel  # noqa: E402
 from megatron_lite.training.engine import build_engine  # noqa: E402
 from megatron_lite.training.trainer import Trainer  # noqa: E402
 
@@ -118,8 +119,9 @@ def breakdown(trainer: Trainer, batches, n: int, sync) -> dict[str, float]:
     return {k: v / n for k, v in parts.items()}
 
 
-def communication(trainer: Trainer, batches, n: int, device_type: str) -> float:
-    """Seconds per step the profiler records in collectives."""
+def communication(trainer: Trainer, batches, n: int, device_type: str, top: int = 0) -> float:
+    """Seconds per step the profiler records in collectives; with ``top``, also print the
+    operators that take the most time (device time on accelerators)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -128,6 +130,9 @@ def communication(trainer: Trainer, batches, n: int, device_type: str) -> float:
     with profile(activities=activities) as prof:
         for _ in range(n):
             trainer.train_step(batches)
+    if top:
+        sort = "self_cpu_time_total" if device_type == "cpu" else "self_device_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
     total = 0.0
     for event in prof.key_averages():
         if any(k in event.key.lower() for k in COLLECTIVES):
@@ -135,8 +140,10 @@ def communication(trainer: Trainer, batches, n: int, device_type: str) -> float:
     return total / 1e6 / n
 
 
-def hf_baseline(model_cfg, cfg, batches, steps: int):
-    """A step function of the plain transformers loop on the same weights and batches."""
+def hf_baseline(model_cfg, cfg, batches, steps: int, device: torch.device):
+    """A step function of the plain transformers loop on the same weights and batches: fp32
+    weights, under bf16 autocast where the recipe trains in bf16 (the usual mixed-precision
+    loop)."""
     from transformers import AutoModelForCausalLM
 
     reference = build_model(model_cfg, "cpu", cfg.training.seed)
@@ -144,7 +151,8 @@ def hf_baseline(model_cfg, cfg, batches, steps: int):
     hf_cfg._attn_implementation = "sdpa"
     hf = AutoModelForCausalLM.from_config(hf_cfg)
     hf.load_state_dict(state, strict=False)  # (GPT-2 keeps causal-mask buffers of its own)
-    hf.train()
+    hf.to(device).train()
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.training.precision)
     o = cfg.optimizer
     opt = torch.optim.AdamW(hf.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay)
@@ -152,8 +160,9 @@ def hf_baseline(model_cfg, cfg, batches, steps: int):
 
     def step() -> None:
         for _ in range(accum):
-            batch = next(batches)
-            loss = hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss / accum
+            batch = next(batches).to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None):
+                loss = hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), o.grad_clip)
         opt.step()
@@ -172,6 +181,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds against the baseline")
     p.add_argument("--breakdown", type=int, default=3, help="steps of the per-phase breakdown")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="print the N costliest operators (profiler)")
     p.add_argument("--synthetic", action="store_true",
                    help="random tokens instead of the recipe's dataset (needs model.vocab_size)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -191,6 +201,7 @@ def main() -> None:
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition)
+    use_loss_kernel(model, cfg.training.kernels, acc.device_name())
     if cfg.training.compile:
         compile_blocks(model, acc.get_compile_backend())
     iters = 10**6
@@ -206,11 +217,13 @@ def main() -> None:
 
     for _ in range(a.warmup):
         ours()
+    peak_memory = devmod.memory_gib(acc)  # ours alone: the baseline is not built yet
     baseline = None
     one_process = dims.world_size == 1 and not a.no_baseline
     if one_process:
         hf_batches = trainer._batches(data.train, 0, None, workers=False)
-        baseline = hf_baseline(model_cfg, cfg, hf_batches, dims.grad_accumulation(cfg))
+        baseline = hf_baseline(model_cfg, cfg, hf_batches, dims.grad_accumulation(cfg),
+                               torch.device(trainer.device))
         for _ in range(a.warmup):
             baseline()
     ours_t, hf_t = [], []
@@ -228,11 +241,12 @@ def main() -> None:
         "tokens_per_sec": tokens / step_s, "tokens_per_sec_per_device": per_device,
         "tflops_per_device": per_device * fpt / 1e12,
         "mfu": mfu(per_device, fpt, peak),
+        "peak_memory_gib": peak_memory,
     }
     if dims.pipeline == 1:
         parts = breakdown(trainer, batches, a.breakdown, sync)
-        parts["communication (in backward/optimizer)"] = communication(trainer, batches, a.breakdown,
-                                                                        acc.device_name())
+        parts["communication (in backward/optimizer)"] = communication(
+            trainer, batches, a.breakdown, acc.device_name(), a.top if dims.is_main else 0)
         result["breakdown_ms"] = {k: 1000 * v for k, v in parts.items()}
     if hf_t:
         result["baseline_step_ms"] = 1000 * statistics.median(hf_t)
@@ -244,7 +258,8 @@ def main() -> None:
         print(f"step {result['step_ms']:.1f} ms | {result['tokens_per_sec']:,.0f} tokens/s | "
               f"{result['tokens_per_sec_per_device']:,.0f} tokens/s/device | "
               f"{result['tflops_per_device']:.3f} TFLOP/s/device | MFU "
-              + (f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak known)"))
+              + (f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak known)")
+              + f" | peak memory {result['peak_memory_gib']:.1f} GiB")
         for name, ms in result.get("breakdown_ms", {}).items():
             print(f"  {name:<40} {ms:8.1f} ms")
         if hf_t:

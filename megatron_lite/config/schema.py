@@ -185,6 +185,16 @@ class TrainingConfig:
     """Accelerator; ``auto`` takes what DeepSpeed detects."""
     precision: str = choice("fp32", "bf16", "fp16")
     """Training precision (bf16/fp16 through DeepSpeed's mixed-precision engine)."""
+    tf32: bool = True
+    """On CUDA, let float32 matrix products and convolutions use TF32 tensor cores (10-bit
+    mantissa inputs, fp32 accumulation: about 8x the plain fp32 rate on A100/H100). Only fp32
+    parts use it: the whole model under ``precision: fp32``, and fp32 leftovers under bf16.
+    ``false`` keeps full fp32 products. No effect on other devices."""
+    kernels: str = choice("torch", "liger")
+    """Kernel of the output layer + loss. ``torch``: the chunked fused loss of ``model/loss.py``
+    (every device; compiled with ``training.compile``). ``liger``: Liger Kernel's fused linear
+    cross-entropy (Triton, CUDA only; ``pip install liger-kernel``), for the single-device output
+    layer: not with ``parallel.tensor`` or ``parallel.pipeline`` above 1."""
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (the accelerator's backend: inductor
     on CPU/CUDA, ``hpu_backend`` on Gaudi). The first steps pay the compilation (seconds to a

@@ -100,6 +100,11 @@ def validate(cfg: Config) -> list[str]:
              f"'training.global_batch_size' = {t.global_batch_size} must be a multiple of "
              f"'training.micro_batch_size' = {t.micro_batch_size}")
     need(t.eval_interval >= 0, f"'training.eval_interval' = {t.eval_interval} must be 0 or more")
+    if t.kernels == "liger":
+        need(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1,
+             f"'training.kernels' = 'liger' replaces the single-device output layer; with "
+             f"'parallel.tensor' = {cfg.parallel.tensor} and 'parallel.pipeline' = "
+             f"{cfg.parallel.pipeline} use 'torch'")
 
     need(o.lr > 0, f"'optimizer.lr' = {o.lr} must be positive")
     need(0 <= o.min_lr <= o.lr,

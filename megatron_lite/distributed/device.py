@@ -54,15 +54,21 @@ def device_spec(name: str) -> DeviceSpec | None:
     return None
 
 
+def cpu_unless_accelerator() -> None:
+    """With no GPU and no Gaudi software, tell DeepSpeed it is the CPU (spares its probing and
+    warning); call before DeepSpeed is imported."""
+    if not torch.cuda.is_available() and importlib.util.find_spec("habana_frameworks") is None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def select_accelerator(device: str, hpu_mode: str = "lazy"):
     """DeepSpeed's accelerator for ``device`` ('auto' lets DeepSpeed detect it). On Gaudi the
     execution mode must be chosen before Habana's PyTorch bridge is imported."""
     os.environ.setdefault("PT_HPU_LAZY_MODE", "1" if hpu_mode == "lazy" else "0")
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
-    elif not torch.cuda.is_available() and importlib.util.find_spec("habana_frameworks") is None:
-        # No GPU and no Gaudi software: spare DeepSpeed's probing (and its warning).
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        cpu_unless_accelerator()
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -71,14 +77,23 @@ def select_accelerator(device: str, hpu_mode: str = "lazy"):
     return acc
 
 
+def set_matmul_precision(acc, tf32: bool) -> None:
+    """TF32 for float32 matrix products on CUDA (``training.tf32``); other devices unchanged."""
+    if acc.device_name() == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def device_name(acc) -> str:
     """Human-readable name of this rank's device (e.g. 'NVIDIA A100-SXM4-40GB', 'cpu')."""
-    if acc.device_name() == "cpu":
+    kind = acc.device_name()
+    if kind == "cpu":
         return "cpu"
-    try:
-        return acc.get_device_name(acc.current_device())
-    except Exception:
-        return acc.device_name()
+    # DeepSpeed's accelerators do not report the model; torch.cuda and Habana's torch.hpu do.
+    module = getattr(torch, kind, None)
+    if module is None or not hasattr(module, "get_device_name"):
+        return kind
+    return module.get_device_name(acc.current_device())
 
 
 def peak_flops(name: str, precision: str) -> float | None:

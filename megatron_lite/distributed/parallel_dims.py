@@ -227,6 +227,7 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     Returns (ParallelDims, accelerator)."""
     dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
     acc = devmod.select_accelerator(cfg.training.device, cfg.training.hpu_mode)
+    devmod.set_matmul_precision(acc, cfg.training.tf32)
     for key, value in {"RANK": env.rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": env.world_size,
                        "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}.items():
         os.environ[key] = str(value)

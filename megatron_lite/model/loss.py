@@ -16,43 +16,72 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_rows(vocab: int) -> int:
-    # About 2M logits per chunk: cache-sized on CPUs, large enough for full GPU matmuls.
-    return max(256, (1 << 21) // vocab)
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    # CPU: about 2M logits per chunk, cache-sized. Accelerators: about 256M (1 GiB of bf16 logits
+    # plus their gradient), so the three matmuls per chunk are large and the chunks few.
+    budget = 1 << 21 if device.type == "cpu" else 1 << 28
+    return max(256, budget // vocab)
+
+
+def softmax_xent_grad(logits: torch.Tensor, targets: torch.Tensor,
+                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c, V) logits, (c,) targets -> (summed loss of the rows, d(loss summed over all n rows,
+    divided by n)/d(logits) in the logits' dtype). Written out of place so that ``torch.compile``
+    makes it one pass over the logits (``parallel.apply.compile_blocks`` does, with
+    ``training.compile``); ``_softmax_xent_grad_inplace`` is the eager path."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (c, 1)
+    picked = x.gather(1, targets.unsqueeze(1))  # (c, 1)
+    hit = torch.arange(x.size(1), device=x.device) == targets.unsqueeze(1)  # (c, V)
+    grad = (torch.exp(x - lse) - hit.to(x.dtype)) / n
+    return (lse - picked).sum(), grad.to(logits.dtype)
+
+
+def _softmax_xent_grad_inplace(logits: torch.Tensor, targets: torch.Tensor,
+                               n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_xent_grad`` eagerly, reusing one fp32 buffer for the logits and the gradient."""
+    x = logits.float()
+    rows = torch.arange(x.size(0), device=x.device)
+    lse = torch.logsumexp(x, dim=-1)  # (c,)
+    loss = (lse - x[rows, targets]).sum()
+    # d(mean loss)/d(logits) = (softmax - onehot) / n, built in the logits buffer.
+    grad = x.sub_(lse.unsqueeze(1)).exp_()
+    grad[rows, targets] -= 1.0
+    return loss, grad.div_(n).to(logits.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                softmax_grad) -> torch.Tensor:
         n = h.shape[0]
-        chunk = _chunk_rows(weight.shape[0])
+        chunk = _chunk_rows(weight.shape[0], h.device)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk):
             hc, tc = h[start:start + chunk], targets[start:start + chunk]
-            rows = torch.arange(hc.shape[0], device=h.device)
-            logits = (hc @ weight.t()).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            total += (lse - logits[rows, tc]).sum()
-            # d(mean loss)/d(logits) = (softmax - onehot) / n, built in the logits buffer.
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
-            grad[rows, tc] -= 1.0
-            grad.div_(n)
-            grad_h[start:start + chunk] = grad.to(h.dtype) @ weight
-            grad_w.addmm_(grad.t(), hc.float())
+            loss, grad = softmax_grad(hc @ weight.t(), tc, n)  # grad: (c, V) in the weights' dtype
+            total += loss
+            grad_h[start:start + chunk] = grad @ weight
+            if grad.dtype == torch.float32:
+                grad_w.addmm_(grad.t(), hc)
+            else:
+                # A bf16/fp16 product (accumulated in fp32 inside the matmul), as a plain
+                # low-precision output layer's weight gradient; the chunks are summed in fp32.
+                grad_w += grad.t() @ hc
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None
+        return grad_h * grad_out, grad_w * grad_out, None, None
 
 
 @torch.no_grad()
 def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    chunk = _chunk_rows(weight.shape[0])
+    chunk = _chunk_rows(weight.shape[0], h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk):
         logits = (h[start:start + chunk] @ weight.t()).float()
@@ -60,9 +89,11 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
     return total / h.shape[0]
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         softmax_grad=None) -> torch.Tensor:
     """Mean cross-entropy of ``h @ weight.T`` against ``targets``; h (N, D), weight (V, D),
-    targets (N,). Equal to ``F.cross_entropy(h @ weight.T, targets)`` and its gradients."""
+    targets (N,). Equal to ``F.cross_entropy(h @ weight.T, targets)`` and its gradients.
+    ``softmax_grad``: a compiled ``softmax_xent_grad``, or None for the eager in-place one."""
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, targets)
+        return _LinearCrossEntropy.apply(h, weight, targets, softmax_grad or _softmax_xent_grad_inplace)
     return _chunked_loss(h, weight, targets)

@@ -170,11 +170,14 @@ class LMHead(nn.Module):
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        # (h (N, D), weight (V, D), targets (N,)) -> mean loss. The parallelize steps may put a
+        # compiled or a library kernel here (parallel/apply.py).
+        self.loss_fn = linear_cross_entropy
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return F.linear(x, self.weight)  # (B, T, V)
-        return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.weight, targets.reshape(-1))
+        return self.loss_fn(x.reshape(-1, x.size(-1)), self.weight, targets.reshape(-1))
 
 
 class Transformer(nn.Module):

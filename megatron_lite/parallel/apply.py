@@ -14,12 +14,15 @@ At size 1 every step leaves the layer as it is.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.model.transformer import Block, CausalAttention, Transformer, initial_value
+from megatron_lite.model.loss import linear_cross_entropy, softmax_xent_grad
+from megatron_lite.model.transformer import Block, CausalAttention, LMHead, Transformer, initial_value
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
@@ -166,13 +169,38 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
 
 
 def compile_blocks(module: nn.Module, backend: str) -> int:
-    """``torch.compile`` every transformer block in place (parameter names unchanged); returns
-    how many. Blocks, not the whole model: every block has the same graph, so one compilation
-    serves all, and the fused loss and the pipeline's stage boundaries stay eager."""
+    """``torch.compile`` every transformer block in place (parameter names unchanged), and the
+    softmax-gradient pass of the output layer's fused loss; returns how many blocks. Blocks,
+    not the whole model: every block has the same graph, so one compilation serves all, and the
+    loss's chunk loop and the pipeline's stage boundaries stay eager."""
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(backend=backend)
+    compiled = functools.partial(linear_cross_entropy,
+                                 softmax_grad=torch.compile(softmax_xent_grad, backend=backend))
+    for m in module.modules():
+        if isinstance(m, LMHead) and m.loss_fn is linear_cross_entropy:
+            m.loss_fn = compiled
     return len(blocks)
+
+
+def use_loss_kernel(module: nn.Module, kernels: str, device_type: str) -> int:
+    """``training.kernels``: put a library's fused output layer + loss into every single-device
+    output layer; returns how many. ``torch`` keeps ``model/loss.py``."""
+    if kernels == "torch":
+        return 0
+    if device_type != "cuda":
+        raise RuntimeError(f"training.kernels=liger runs Liger Kernel's Triton kernels, which need a "
+                           f"CUDA GPU; this run is on '{device_type}': use training.kernels=torch")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as e:
+        raise RuntimeError("training.kernels=liger needs the liger-kernel package: pip install "
+                           "liger-kernel (or use training.kernels=torch)") from e
+    heads = [m for m in module.modules() if isinstance(m, LMHead)]
+    for head in heads:
+        head.loss_fn = liger_fused_linear_cross_entropy
+    return len(heads)
 
 
 def use_attention_kernel(module: nn.Module, kernel) -> None:

@@ -45,7 +45,10 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "gradient_accumulation_steps": dims.grad_accumulation(cfg),
         "gradient_clipping": 0.0 if trainer_clips_gradients(cfg) else cfg.optimizer.grad_clip,
         "zero_optimization": {"stage": zero_stage(cfg)},
-        "bf16": {"enabled": t.precision == "bf16"},
+        # bf16 needs no loss scaling, so DeepSpeed's per-tensor overflow scan (several kernels and a
+        # host sync per parameter tensor) only duplicates the update gate (training/step.py),
+        # which declines every step with a non-finite loss or gradient norm.
+        "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": False},
         "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we log ourselves

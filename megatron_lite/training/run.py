@@ -25,7 +25,7 @@ from megatron_lite.distributed.parallel_dims import (
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.apply import compile_blocks, use_attention_kernel
+from megatron_lite.parallel.apply import compile_blocks, use_attention_kernel, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.engine import build_engine, deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
@@ -99,6 +99,8 @@ def run(cfg: Config) -> RunResult:
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition)
     use_attention_kernel(model, devmod.fused_attention(acc))
+    if use_loss_kernel(model, cfg.training.kernels, acc.device_name()):
+        log("output layer + loss: Liger Kernel's fused linear cross-entropy")
     if cfg.training.compile or (acc.device_name() == "hpu" and cfg.training.hpu_mode == "compile"):
         n = compile_blocks(model, acc.get_compile_backend())
         log(f"torch.compile: {n} transformer block(s) on this rank, backend {acc.get_compile_backend()}")

@@ -35,18 +35,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     counted once); returns the norm before clipping. Gradients must already be averaged over
     the data-parallel ranks."""
     grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or hasattr(p, "ml_shard"))]
-    device = params[0].device
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        square += g.float().pow(2).sum()
+    # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor).
+    norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=params[0].device)
     if dims.tensor > 1:
+        square = norm.square()
         dist.all_reduce(square, group=dims.group("tensor"))
-    norm = square.sqrt()
+        norm = square.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
@@ -121,7 +117,11 @@ class StepRunner:
                                                                  None)
         if norm is None and not self.own_clipping:
             norm = getattr(self.engine, "_global_grad_norm", None)  # pipeline ZeRO-0 fp32 clipping
-        return None if norm is None else float(norm)
+        if norm is None:
+            return None
+        norm = float(norm)
+        # ZeRO reports a non-finite norm as -1 when it does not skip the step itself (bf16).
+        return math.inf if norm < 0 else norm
 
     def _after_step(self) -> None:
         """The update was not reached (DeepSpeed skipped it): judge now, advance the schedule."""

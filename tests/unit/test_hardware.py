@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,15 @@ def test_hpu_hooks_are_no_ops_off_hpu():
     acc = _CpuAccelerator()
     assert devmod.fused_attention(acc) is None
     assert devmod.graph_break(acc, "lazy")() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="names a CUDA GPU; none here")
+def test_a_cuda_gpu_is_named_and_its_peak_known():
+    acc = devmod.select_accelerator("auto")
+    name = devmod.device_name(acc)
+    assert name == torch.cuda.get_device_name(torch.cuda.current_device())
+    if any(model in name for model in ("A100", "H100", "H200")):
+        assert devmod.peak_flops(name, "bf16") in (312e12, 989e12)
 
 
 def test_an_attention_kernel_plugs_into_every_attention_core():

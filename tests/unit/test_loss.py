@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.model.loss import linear_cross_entropy
+from megatron_lite.model.loss import linear_cross_entropy, softmax_xent_grad
 
 
 @pytest.mark.parametrize("n, vocab", [(700, 4096), (37, 65), (1000, 50)])
@@ -33,3 +33,30 @@ def test_bf16_is_close_to_fp32():
     loss.backward()
     assert hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss.float(), F.cross_entropy(h @ w.t(), t), rtol=1e-2, atol=1e-2)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_softmax_pass_matches_eager(device, dtype):
+    """training.compile swaps the loss's eager in-place softmax-gradient pass for the compiled
+    out-of-place one; loss and both gradients must not change (bf16: within one rounding)."""
+    g = torch.Generator().manual_seed(2)
+    h0 = torch.randn(600, 64, generator=g).to(device, dtype)
+    w0 = (torch.randn(3000, 64, generator=g) * 0.05).to(device, dtype)
+    t = torch.randint(0, 3000, (600,), generator=g).to(device)
+    results = []
+    for softmax_grad in (None, softmax_xent_grad, torch.compile(softmax_xent_grad)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, t, softmax_grad)
+        (2.0 * loss).backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    tol = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
+    for other in results[1:]:
+        for ref, got in zip(results[0], other, strict=True):
+            torch.testing.assert_close(got, ref, **tol)
+    ref = F.cross_entropy(h0.double() @ w0.double().t(), t)
+    torch.testing.assert_close(results[2][0].double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=0)
