@@ -13,9 +13,10 @@
    records in collective operations (inside backward and the optimizer step). Not under
    pipeline parallelism, where DeepSpeed's engine interleaves the phases.
 3. On one process: the same model as a plain loop around transformers' model class
-   (LlamaForCausalLM, or GPT2LMHeadModel for GPT-2-style recipes), same weights, batches and
-   AdamW, timed in alternating rounds with ours, and the ratio of the two (``--no-baseline``
-   skips it).
+   (LlamaForCausalLM, or GPT2LMHeadModel for GPT-2-style recipes) on the same device, same
+   weights, batches and AdamW (fp32 weights under autocast where the recipe trains in bf16),
+   timed in alternating rounds with ours, and the ratio of the two (``--no-baseline`` skips it).
+4. ``--top N``: the N operators with the most (device) time in the profiled steps.
 """
 
 from __future__ import annotations

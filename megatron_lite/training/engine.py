@@ -78,6 +78,10 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         config=deepspeed_config(cfg, dims), dist_init_required=False)
     if dims.pipeline > 1 and zero_stage(cfg) == 0:
         _keep_clipped_norm(engine)
+    if dims.pipeline == 1 and zero_stage(cfg) == 0 and dims.data == 1 and dims.ulysses == 1:
+        # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
+        # group of one: skip its flatten / all-reduce / unflatten of every gradient per step.
+        engine.enable_backward_allreduce = False
     return engine
 
 
