@@ -70,7 +70,10 @@ fi
 FLAVOR="${MPI_FLAVOR:-}"
 if [[ -z "$FLAVOR" ]]; then
     FLAVOR=pals
-    if command -v mpiexec > /dev/null && mpiexec --version 2>&1 | grep -qi hydra; then FLAVOR=hydra; fi
+    # Read the whole banner before matching: under pipefail, `mpiexec --version | grep -q` fails
+    # whenever grep exits first and mpiexec dies of SIGPIPE.
+    MPI_VERSION=$(command -v mpiexec > /dev/null && mpiexec --version 2>&1 || true)
+    if [[ "${MPI_VERSION,,}" == *hydra* ]]; then FLAVOR=hydra; fi
 fi
 if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher: no depth binding, -genvall exports the env
     MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+-hostfile "$NODEFILE"} -genvall)

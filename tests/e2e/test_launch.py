@@ -45,6 +45,22 @@ def test_polaris_dry_run_counts_nodes(tmp_path, hosts, ranks, flavor):
     assert f"master {hosts[0]}:29500" in out.stdout
 
 
+@pytest.mark.parametrize("banner, flavor", [("HYDRA build details:", "hydra"),
+                                             ("mpiexec version 1.2.3 (Cray PALS)", "pals")])
+def test_polaris_detects_the_mpiexec_flavor(tmp_path, banner, flavor):
+    # A long banner, as MPICH's is: a detector that stops reading early (grep -q under pipefail)
+    # kills mpiexec with SIGPIPE and misreads Hydra as PALS.
+    fake = tmp_path / "bin" / "mpiexec"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/bash\necho '{banner}'\nfor i in $(seq 20000); do echo \"  option $i\"; done\n")
+    fake.chmod(0o755)
+    for _ in range(3):  # the race this guards against was intermittent
+        out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml",
+                      PATH=os.pathsep.join([str(fake.parent), os.environ.get("PATH", "")]))
+        assert out.returncode == 0, out.stderr
+        assert f"mpiexec flavor {flavor}" in out.stdout
+
+
 def test_polaris_recipe_from_qsub_variables_and_walltime(tmp_path):
     nodefile = _nodefile(tmp_path, ["x3001c0s1b0n0"])
     out = _launch("polaris.sh", "--dry-run", PBS_NODEFILE=nodefile, MPI_FLAVOR="pals",
