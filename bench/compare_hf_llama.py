@@ -4,8 +4,13 @@
 Both train the same small Llama (GQA, SwiGLU, RoPE, RMSNorm) on the same random token batches,
 fp32, AdamW with the same hyper-parameters and gradient clipping. Ours runs the real training
 step (DeepSpeed engine, our optimizer and schedule, ``Trainer.train_step``); the baseline is the
-loop a user would write. Rounds alternate between the two so that machine noise hits both, and
-the median step time of each is compared.
+loop a user would write. Rounds alternate between them so that machine noise hits all, and the
+median step times are compared.
+
+The baseline runs in child processes of this one, so that process-wide settings our trainer
+makes (``training.cpu_retain_freed_memory``: glibc keeps freed memory instead of faulting it in
+again every step) do not leak into it: one child as a user would run the loop, and one with the
+same allocator setting, for the like-for-like ratio.
 
     DS_ACCELERATOR=cpu python bench/compare_hf_llama.py [--layers 4 --d-model 256 ...]
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,7 +62,7 @@ def make_config(a: argparse.Namespace) -> Config:
     return cfg
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -69,45 +75,49 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--compile", action="store_true",
                    help="ours with training.compile (the baseline stays eager)")
-    a = p.parse_args()
-    cfg = make_config(a)
-    dims, acc = init_distributed(cfg, detect())
+    # Internal: this script as the baseline's child process.
+    p.add_argument("--baseline-worker", choices=("default", "retained"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
+
+def token_batches(a: argparse.Namespace):
+    """The same 8 random batches, cycled, in every process."""
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen) for _ in range(8)]
+    i = 0
+    while True:
+        yield data[i % len(data)]
+        i += 1
+
+
+def timed(step, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def baseline_worker(a: argparse.Namespace) -> None:
+    """The transformers loop: builds the same initial weights, warms up, then runs one timed
+    round per line read from stdin and answers with its seconds per step."""
     from transformers import LlamaForCausalLM
 
-    hf_cfg, hf_sd = to_hf(model.state_dict(), cfg.model)
+    from megatron_lite.distributed.device import retain_freed_host_memory
+
+    if a.baseline_worker == "retained":
+        retain_freed_host_memory()
+    cfg = make_config(a)
+    torch.manual_seed(0)
+    hf_cfg, hf_sd = to_hf(build_model(cfg.model).state_dict(), cfg.model)
     hf_cfg._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(hf_sd)
     hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-    if cfg.training.compile:
-        compile_blocks(model, acc.get_compile_backend())
-    engine = build_engine(model, cfg, dims, cfg.training.iters, acc.device_name())
-    trainer = Trainer(cfg, dims, acc, engine, None, MetricsLogger(cfg, Path("."), False, {}),
-                      cfg.training.iters, 0.0, lambda m: None)
-
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen) for _ in range(8)]
-
-    def batches():
-        i = 0
-        while True:
-            yield data[i % len(data)]
-            i += 1
-
-    ours_batches = batches()
-
-    def ours_step() -> None:
-        trainer.train_step(ours_batches).item()
-
-    hf_batches = batches()
+    batches = token_batches(a)
 
     def hf_step() -> None:
-        x = next(hf_batches)[:, :-1]
+        x = next(batches)[:, :-1]
         loss = hf(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
@@ -115,21 +125,74 @@ def main() -> None:
         hf_opt.zero_grad(set_to_none=True)
         loss.item()
 
-    def timed(step) -> float:
-        start = time.perf_counter()
-        for _ in range(a.steps):
-            step()
-        return (time.perf_counter() - start) / a.steps
+    timed(hf_step, 3)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        print(timed(hf_step, a.steps), flush=True)
 
-    for step in (ours_step, hf_step):  # warm-up
-        for _ in range(3):
-            step()
-    ours_t, hf_t = [], []
+
+class Baseline:
+    """A baseline worker process, driven one round at a time."""
+
+    def __init__(self, kind: str):
+        self.proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--baseline-worker", kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("ready")
+
+    def _expect(self, what: str) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the baseline process exited (status {self.proc.wait()}); its error is above")
+        if what and line.strip() != what:
+            raise SystemExit(f"the baseline process said {line!r}, expected {what!r}")
+        return line
+
+    def round(self) -> float:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return float(self._expect(""))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def main() -> None:
+    a = parse_args()
+    if a.baseline_worker:
+        baseline_worker(a)
+        return
+    cfg = make_config(a)
+    baselines = {"default": Baseline("default"), "retained": Baseline("retained")}
+    dims, acc = init_distributed(cfg, detect())
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    if cfg.training.compile:
+        compile_blocks(model, acc.get_compile_backend())
+    engine = build_engine(model, cfg, dims, cfg.training.iters, acc.device_name())
+    trainer = Trainer(cfg, dims, acc, engine, None, MetricsLogger(cfg, Path("."), False, {}),
+                      cfg.training.iters, 0.0, lambda m: None)
+    batches = token_batches(a)
+
+    def ours_step() -> None:
+        trainer.train_step(batches).item()
+
+    timed(ours_step, 3)  # warm-up
+    ours_t: list[float] = []
+    hf_t: dict[str, list[float]] = {kind: [] for kind in baselines}
     for _ in range(a.rounds):
-        ours_t.append(timed(ours_step))
-        hf_t.append(timed(hf_step))
+        ours_t.append(timed(ours_step, a.steps))
+        for kind, baseline in baselines.items():
+            hf_t[kind].append(baseline.round())
+    for baseline in baselines.values():
+        baseline.close()
+
     tokens = a.batch * a.seq
-    ours_tps, hf_tps = tokens / statistics.median(ours_t), tokens / statistics.median(hf_t)
+    ours_tps = tokens / statistics.median(ours_t)
+    hf_tps = {kind: tokens / statistics.median(t) for kind, t in hf_t.items()}
     params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama {a.layers} layers, d_model {a.d_model}, heads {a.heads}/{a.kv_heads} kv, "
           f"vocab {a.vocab}, {params / 1e6:.1f}M params | batch {a.batch} x seq {a.seq} | fp32 | "
@@ -137,9 +200,12 @@ def main() -> None:
     engine_name = "DeepSpeed engine, compiled blocks" if a.compile else "DeepSpeed engine"
     print(f"megatron_lite ({engine_name}): {ours_tps:,.0f} tokens/s "
           f"(median {1000 * statistics.median(ours_t):.1f} ms/step)")
-    print(f"transformers LlamaForCausalLM loop: {hf_tps:,.0f} tokens/s "
-          f"(median {1000 * statistics.median(hf_t):.1f} ms/step)")
-    print(f"ratio (ours / transformers): {ours_tps / hf_tps:.2f}")
+    labels = {"default": "as a user runs it", "retained": "with the trainer's allocator setting"}
+    for kind, label in labels.items():
+        print(f"transformers LlamaForCausalLM loop, {label}: {hf_tps[kind]:,.0f} tokens/s "
+              f"(median {1000 * statistics.median(hf_t[kind]):.1f} ms/step)")
+    print(f"ratio (ours / transformers): {ours_tps / hf_tps['default']:.2f}")
+    print(f"ratio with the same allocator setting in both: {ours_tps / hf_tps['retained']:.2f}")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,11 @@ class TrainingConfig:
     mantissa inputs, fp32 accumulation: about 8x the plain fp32 rate on A100/H100). Only fp32
     parts use it: the whole model under ``precision: fp32``, and fp32 leftovers under bf16.
     ``false`` keeps full fp32 products. No effect on other devices."""
+    cpu_retain_freed_memory: bool = True
+    """On CPU (Linux, glibc), keep memory that tensors free inside the process for the next step
+    instead of returning it to the kernel and faulting it in again (``mallopt``; 5-10% of a small
+    model's step time). The process keeps its peak memory until it exits. No effect on other
+    devices or C libraries."""
     kernels: str = choice("torch", "liger")
     """Kernel of the output layer + loss. ``torch``: the chunked fused loss of ``model/loss.py``
     (every device; compiled with ``training.compile``). ``liger``: Liger Kernel's fused linear

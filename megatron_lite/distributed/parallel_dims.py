@@ -228,6 +228,8 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
     acc = devmod.select_accelerator(cfg.training.device, cfg.training.hpu_mode)
     devmod.set_matmul_precision(acc, cfg.training.tf32)
+    if acc.device_name() == "cpu" and cfg.training.cpu_retain_freed_memory:
+        devmod.retain_freed_host_memory()
     for key, value in {"RANK": env.rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": env.world_size,
                        "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}.items():
         os.environ[key] = str(value)

@@ -169,13 +169,16 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
 
 
 def compile_blocks(module: nn.Module, backend: str) -> int:
-    """``torch.compile`` every transformer block in place (parameter names unchanged), and the
-    softmax-gradient pass of the output layer's fused loss; returns how many blocks. Blocks,
+    """``torch.compile`` every transformer block in place (parameter names unchanged), and on
+    accelerators the softmax-gradient pass of the output layer's fused loss; returns how many
+    blocks. Blocks,
     not the whole model: every block has the same graph, so one compilation serves all, and the
     loss's chunk loop and the pipeline's stage boundaries stay eager."""
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(backend=backend)
+    if all(p.device.type == "cpu" for p in module.parameters()):
+        return len(blocks)  # on CPU aten's softmax kernel beats the compiled pass (model/loss.py)
     compiled = functools.partial(linear_cross_entropy,
                                  softmax_grad=torch.compile(softmax_xent_grad, backend=backend))
     for m in module.modules():

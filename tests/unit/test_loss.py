@@ -2,7 +2,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.model.loss import linear_cross_entropy, softmax_xent_grad
+from megatron_lite.model.loss import (
+    _softmax_xent_grad_cpu,
+    _softmax_xent_grad_inplace,
+    linear_cross_entropy,
+    softmax_xent_grad,
+)
 
 
 @pytest.mark.parametrize("n, vocab", [(700, 4096), (37, 65), (1000, 50)])
@@ -41,14 +46,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_softmax_pass_matches_eager(device, dtype):
-    """training.compile swaps the loss's eager in-place softmax-gradient pass for the compiled
-    out-of-place one; loss and both gradients must not change (bf16: within one rounding)."""
+    """The eager softmax-gradient passes (the device's default, the generic in-place one) and
+    the compiled out-of-place one (training.compile on accelerators) give the same loss and
+    gradients (bf16: within one rounding)."""
     g = torch.Generator().manual_seed(2)
     h0 = torch.randn(600, 64, generator=g).to(device, dtype)
     w0 = (torch.randn(3000, 64, generator=g) * 0.05).to(device, dtype)
     t = torch.randint(0, 3000, (600,), generator=g).to(device)
     results = []
-    for softmax_grad in (None, softmax_xent_grad, torch.compile(softmax_xent_grad)):
+    passes = (None, _softmax_xent_grad_inplace, softmax_xent_grad, torch.compile(softmax_xent_grad))
+    for softmax_grad in passes:
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         loss = linear_cross_entropy(h, w, t, softmax_grad)
         (2.0 * loss).backward()
@@ -58,5 +65,19 @@ def test_compiled_softmax_pass_matches_eager(device, dtype):
         for ref, got in zip(results[0], other, strict=True):
             torch.testing.assert_close(got, ref, **tol)
     ref = F.cross_entropy(h0.double() @ w0.double().t(), t)
-    torch.testing.assert_close(results[2][0].double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+    torch.testing.assert_close(results[-1][0].double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=0)
+
+
+def test_cpu_pass_recomputes_underflowing_rows_exactly():
+    """The CPU pass reads a row's loss off its softmax; where the target's probability
+    underflows (loss > ~69 nats) it must still give logsumexp - logit, not inf."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 500, generator=g)
+    targets = torch.randint(0, 500, (8,), generator=g)
+    logits[2, targets[2]] = -300.0  # probability e^-300: 0 in fp32
+    loss, grad = _softmax_xent_grad_cpu(logits.clone(), targets)
+    ref_loss, ref_grad = _softmax_xent_grad_inplace(logits.clone(), targets)
+    assert torch.isfinite(loss) and loss.item() > 300
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
