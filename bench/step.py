@@ -16,6 +16,9 @@
    (LlamaForCausalLM, or GPT2LMHeadModel for GPT-2-style recipes) on the same device, same
    weights, batches and AdamW (fp32 weights under autocast where the recipe trains in bf16),
    timed in alternating rounds with ours, and the ratio of the two (``--no-baseline`` skips it).
+   It shares this process, and so the trainer's process-wide settings (on CPU,
+   ``training.cpu_retain_freed_memory``): a like-for-like ratio. ``bench/compare_hf_llama.py``
+   also times the loop as a user runs it, in a process of its own.
 4. ``--top N``: the N operators with the most (device) time in the profiled steps.
 """
 

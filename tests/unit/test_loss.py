@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import megatron_lite.model.loss as loss_module
 from megatron_lite.model.loss import (
     _softmax_xent_grad_cpu,
     _softmax_xent_grad_inplace,
@@ -10,8 +11,11 @@ from megatron_lite.model.loss import (
 )
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 256], ids=["default-chunks", "chunks-of-256"])
 @pytest.mark.parametrize("n, vocab", [(700, 4096), (37, 65), (1000, 50)])
-def test_matches_plain_cross_entropy_and_gradients(n, vocab):
+def test_matches_plain_cross_entropy_and_gradients(n, vocab, chunk_rows, monkeypatch):
+    if chunk_rows is not None:  # several chunks, the last one partial
+        monkeypatch.setattr(loss_module, "_chunk_rows", lambda vocab, device: chunk_rows)
     g = torch.Generator().manual_seed(0)
     h0 = torch.randn(n, 32, generator=g)
     w0 = torch.randn(vocab, 32, generator=g) * 0.1
