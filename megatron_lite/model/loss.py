@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_rows(vocab: int, device: torch.device) -> int:
+def chunk_rows(vocab: int, device_type: str) -> int:
+    """Rows of logits the loss computes at once for a ``vocab``-wide output layer."""
     # Few chunks of large matmuls. CPU: about 16M logits (64 MiB in fp32, plus the gradient): a
     # 2048 x 256 -> 32,000 loss with its gradients took 0.67 s against 0.97 s in 2M-logit chunks
     # (with training.cpu_retain_freed_memory; fresh pages per chunk used to favour small ones).
-    # Accelerators: about 256M (1 GiB of bf16 logits plus their gradient).
-    budget = 1 << 24 if device.type == "cpu" else 1 << 28
+    # Accelerators: about 256M (512 MiB of bf16 logits, as much again for their gradient).
+    budget = 1 << 24 if device_type == "cpu" else 1 << 28
     return max(256, budget // vocab)
 
 
@@ -44,9 +45,13 @@ def _softmax_xent_grad_inplace(logits: torch.Tensor,
     """``softmax_xent_grad`` eagerly, reusing one fp32 buffer for the logits and the gradient."""
     x = logits.float()
     rows = torch.arange(x.size(0), device=x.device)
-    lse = torch.logsumexp(x, dim=-1)  # (c,)
-    loss = (lse - x[rows, targets]).sum()
-    grad = x.sub_(lse.unsqueeze(1)).exp_()  # softmax, built in the logits buffer
+    # Max-shifted exponentials built in the one fp32 buffer (logsumexp would allocate another
+    # chunk-sized temporary).
+    x.sub_(x.amax(dim=-1, keepdim=True))
+    picked = x[rows, targets]  # (c,) shifted target logits
+    sums = x.exp_().sum(dim=-1)  # (c,)
+    loss = (sums.log() - picked).sum()
+    grad = x.div_(sums.unsqueeze(1))  # softmax
     grad[rows, targets] -= 1.0
     return loss, grad.to(logits.dtype)
 
@@ -80,7 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 softmax_grad) -> torch.Tensor:
         n = h.shape[0]
-        chunk = _chunk_rows(weight.shape[0], h.device)
+        chunk = chunk_rows(weight.shape[0], h.device.type)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -95,6 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # A bf16/fp16 product (accumulated in fp32 inside the matmul), as a plain
                 # low-precision output layer's weight gradient; the chunks are summed in fp32.
                 grad_w += grad.t() @ hc
+            del grad  # not alive while the next chunk's logits and gradient are formed
         # The mean's 1/n, applied once to the (N, D) and (V, D) results, not to every logit.
         ctx.save_for_backward(grad_h.div_(n), grad_w.div_(n).to(weight.dtype))
         return total / n
@@ -107,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 @torch.no_grad()
 def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    chunk = _chunk_rows(weight.shape[0], h.device)
+    chunk = chunk_rows(weight.shape[0], h.device.type)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk):
         logits = (h[start:start + chunk] @ weight.t()).float()

@@ -17,6 +17,11 @@ Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
   latter two split over tensor ranks. Ulysses splits ``s``. With activation checkpointing a
   block keeps only its input (s·b·h) plus one block's full set while it is recomputed. Under
   1F1B the first stage holds min(pipeline, accumulation) micro-batches in flight.
+- **Output layer and loss** (``output_layer_bytes``), at their peak at the end of the forward
+  pass, when every block's activations are still held: the final norm's input and output, and
+  the loss's working set. Without tensor parallelism that is one chunk of logits
+  (``model.loss.chunk_rows``) with its softmax gradient, the hidden states' gradient and the
+  weight gradient's fp32 sum; with it, each rank's (tokens × vocab/tensor) logits in fp32 twice.
 
 Not counted: framework buffers (ZeRO-3 prefetch, communication buckets, the allocator's
 fragmentation, the CUDA context) — keep 10-20% free. FLOPs per token: ``model.flops``.
@@ -32,6 +37,7 @@ from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed.device import DeviceSpec
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.flops import flops_per_token
+from megatron_lite.model.loss import chunk_rows
 from megatron_lite.model.transformer import ffn_hidden_size
 
 GB = 1e9
@@ -112,13 +118,16 @@ class Plan:
     activations: float
     activations_other: float
     """Activations with the other ``activation_checkpointing`` setting."""
+    output_layer: float
+    """The final norm's activations and the loss's working memory (``output_layer_bytes``)."""
     flops_per_token: float
     tokens_per_step: int
     grad_accumulation: int
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.hsdp_copy + self.activations
+        return (self.weights + self.grads + self.optimizer + self.hsdp_copy + self.activations
+                + self.output_layer)
 
 
 def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: bool) -> float:
@@ -134,6 +143,39 @@ def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute:
     replicated = 4 * s * b * h / sp
     split = s * b * (2 * h + 2 * h_kv + (3 if m.activation == "swiglu" else 2) * ffn) / t
     return width * (replicated + split)
+
+
+def loss_bytes(tokens: int, d_model: int, vocab: int, width: int, tensor: int = 1,
+               compiled: bool = False, device_type: str = "cuda") -> float:
+    """Peak working memory of the output layer and loss (``model/loss.py``; with ``tensor`` > 1
+    ``parallel/tensor_parallel.py``) over ``tokens`` rows of ``d_model`` hidden states in
+    ``width``-byte weights; ``compiled``: the softmax pass compiled (``training.compile`` off CPU).
+    Measured against the real code in ``tests/unit/test_planner.py``."""
+    if tensor > 1:
+        # Vocabulary-parallel cross-entropy: the rank's logits, an fp32 copy (mixed precision
+        # only) and the max-shifted exponentials that become the saved softmax.
+        return (8 + (width if width != 4 else 0)) * tokens * vocab / tensor
+    chunk = min(tokens, chunk_rows(vocab, device_type)) * vocab  # logits per chunk
+    if compiled:
+        per_logit = 2 * width  # one pass: logits in, gradient out
+    elif width == 4:
+        per_logit = 8 if device_type == "cpu" else 4  # aten's softmax out of place / in place
+    else:
+        per_logit = 2 * width + 4  # logits, their fp32 copy turned gradient, its cast back
+    # The (N, D) gradient of the hidden states and the (V, D) weight gradient summed in fp32.
+    return per_logit * chunk + width * tokens * d_model + 4 * vocab * d_model
+
+
+def output_layer_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, device_type: str = "cuda") -> float:
+    """Peak memory of the final norm, the output layer and the loss for one micro-batch on one
+    rank, beyond the weights and the blocks' activations."""
+    assert m.vocab_size is not None
+    tokens = cfg.training.micro_batch_size * cfg.data.seq_length // dims.ulysses  # rows into the head
+    width = 4 if cfg.training.precision == "fp32" else 2
+    sp = dims.tensor if dims.sequence_parallel else 1
+    final_norm = 2 * width * tokens * m.d_model / sp  # its input and output, kept for backward
+    compiled = cfg.training.compile and device_type != "cpu"
+    return final_norm + loss_bytes(tokens, m.d_model, m.vocab_size, width, dims.tensor, compiled, device_type)
 
 
 def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: int) -> Plan:
@@ -174,7 +216,8 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
         return stored + (activation_bytes(model, cfg, dims, False) if rc else 0.0)
 
     return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer, hsdp_copy,
-                acts(recompute), acts(not recompute), flops_per_token(model, cfg.data.seq_length),
+                acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims),
+                flops_per_token(model, cfg.data.seq_length),
                 dims.global_batch(cfg) * cfg.data.seq_length, accum)
 
 

@@ -60,6 +60,7 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
     rows += [(f"activations (recompute {'on' if recompute else 'off'})", plan.activations,
               f"{plan.in_flight} micro-batch(es) in flight; recompute {other}: "
               f"{plan.activations_other / GB:.2f}"),
+             ("output layer and loss", plan.output_layer, "one micro-batch, at the loss"),
              ("total", plan.total, f"of {spec.memory_gb:g}")]
     lines += [f"  {label:<30} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
     lines.append("")

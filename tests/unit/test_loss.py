@@ -15,7 +15,7 @@ from megatron_lite.model.loss import (
 @pytest.mark.parametrize("n, vocab", [(700, 4096), (37, 65), (1000, 50)])
 def test_matches_plain_cross_entropy_and_gradients(n, vocab, chunk_rows, monkeypatch):
     if chunk_rows is not None:  # several chunks, the last one partial
-        monkeypatch.setattr(loss_module, "_chunk_rows", lambda vocab, device: chunk_rows)
+        monkeypatch.setattr(loss_module, "chunk_rows", lambda vocab, device_type: chunk_rows)
     g = torch.Generator().manual_seed(0)
     h0 = torch.randn(n, 32, generator=g)
     w0 = torch.randn(vocab, 32, generator=g) * 0.1

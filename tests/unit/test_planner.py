@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import socket
 import subprocess
 import sys
 
@@ -11,7 +15,7 @@ from megatron_lite.config import load_config
 from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import build_model, count_parameters, resolve_model
 from megatron_lite.planner import estimate, parameter_counts
-from megatron_lite.planner.estimate import step_time
+from megatron_lite.planner.estimate import loss_bytes, step_time
 from tests.conftest import REPO, cpu_env
 
 LLAMA2_7B = 6_738_415_616  # huggyllama/llama-7b
@@ -119,3 +123,78 @@ def test_plan_says_when_it_does_not_fit():
     assert out.returncode == 1 and "does NOT fit" in out.stdout
     out = _plan("recipes/llama2-7b.yaml", "--device", "TPUv9")
     assert out.returncode == 2 and "unknown device 'TPUv9'" in out.stderr
+
+
+# The loss's peak memory as the kernel sees it: with glibc's mmap threshold fixed low, every
+# tensor of the sizes here is its own mapping, returned on free, so the process's peak resident
+# set (VmHWM, reset through /proc/self/clear_refs) minus its size before the call is the peak
+# of what the output layer and loss allocate over a forward and backward.
+MEASURE = """
+import ctypes, json, os, sys, torch, torch.distributed as dist
+from megatron_lite.model.loss import linear_cross_entropy, softmax_xent_grad
+from megatron_lite.parallel.tensor_parallel import VocabParallelLMHead
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 64 << 10)  # M_TRIM_THRESHOLD
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+def peak(fn):
+    fn()  # warm-up: kernels' own buffers, compilation
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+N, D, V = 1024, 16, 32768
+gen = torch.Generator().manual_seed(0)
+h0, w0 = torch.randn(N, D, generator=gen) * 0.05, torch.randn(V, D, generator=gen) * 0.05
+t = torch.randint(0, V, (N,), generator=gen)
+compiled = torch.compile(softmax_xent_grad)
+def fused(dtype, kernel=None):
+    h, w = h0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+    def run():
+        linear_cross_entropy(h, w, t, kernel).backward()
+        h.grad = w.grad = None
+    return run
+def vocab_parallel(dtype):
+    x, w = h0.to(dtype).requires_grad_(), torch.nn.Parameter(w0[:V // 4].to(dtype))
+    head = VocabParallelLMHead(w, 0, dist.group.WORLD, False)
+    def run():
+        head(x.view(1, N, D), t.view(1, N)).backward()
+        x.grad = w.grad = None
+    return run
+print(json.dumps({
+    "fp32": peak(fused(torch.float32)), "bf16": peak(fused(torch.bfloat16)),
+    "fp32-compiled": peak(fused(torch.float32, compiled)),
+    "bf16-compiled": peak(fused(torch.bfloat16, compiled)),
+    "fp32-vocab-parallel": peak(vocab_parallel(torch.float32)),
+    "bf16-vocab-parallel": peak(vocab_parallel(torch.bfloat16)),
+}))
+"""
+
+
+def test_loss_memory_is_what_the_loss_allocates():
+    if not os.path.exists("/proc/self/clear_refs") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("measures through Linux's /proc/self/clear_refs and glibc's mallopt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(port)], cwd=REPO, env=cpu_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.splitlines()[-1])
+    # 1024 tokens, d 16 (small matmuls: bf16 is slow on CPUs), vocab 32,768: on CPU the fused
+    # loss takes chunks of 512 rows (two chunks); the vocabulary-parallel path, on one rank
+    # here, holds all 1024 rows of its quarter of the vocabulary, as with 4 tensor ranks.
+    planned = {
+        "fp32": loss_bytes(1024, 16, 32768, 4, device_type="cpu"),
+        "bf16": loss_bytes(1024, 16, 32768, 2, device_type="cpu"),
+        "fp32-compiled": loss_bytes(1024, 16, 32768, 4, compiled=True, device_type="cpu"),
+        "bf16-compiled": loss_bytes(1024, 16, 32768, 2, compiled=True, device_type="cpu"),
+        "fp32-vocab-parallel": loss_bytes(1024, 16, 32768, 4, tensor=4),
+        "bf16-vocab-parallel": loss_bytes(1024, 16, 32768, 2, tensor=4),
+    }
+    for case, want in planned.items():
+        assert 0.9 * want <= measured[case] <= 1.1 * want, (case, measured[case], want)
