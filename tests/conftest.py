@@ -16,6 +16,13 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 TINY_SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 WORKS_JSONL = SHARED_DATA / "shakespeare_works.jsonl"
 
+# Tests run as in an activated environment: its bin directory (mpiexec, ninja) first on PATH, for
+# this process and every subprocess. DeepSpeed compiles its CPU communication op with whichever
+# ninja PATH finds first; the environment's and the system's ninja discard each other's build log,
+# so every switch between them recompiled the op (about a minute on 2 cores).
+VENV_BIN = str(Path(sys.executable).parent)
+os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ.get("PATH", "")])
+
 
 def require_shared() -> None:
     if not TINY_SHAKESPEARE.is_file():
