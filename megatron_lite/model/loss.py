@@ -26,6 +26,12 @@ def chunk_rows(vocab: int, device_type: str) -> int:
     return max(256, budget // vocab)
 
 
+def compiles_softmax_pass(device_type: str) -> bool:
+    """Whether ``training.compile`` also compiles ``softmax_xent_grad`` on this device: not on
+    CPU, where aten's softmax kernel (``_softmax_xent_grad_cpu``) beats the compiled pass."""
+    return device_type != "cpu"
+
+
 def softmax_xent_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(c, V) logits, (c,) targets -> (summed loss of the rows, softmax - onehot in the logits'
     dtype: the gradient of the summed loss). Written out of place so that ``torch.compile`` makes

@@ -21,7 +21,7 @@ from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.model.loss import linear_cross_entropy, softmax_xent_grad
+from megatron_lite.model.loss import compiles_softmax_pass, linear_cross_entropy, softmax_xent_grad
 from megatron_lite.model.transformer import Block, CausalAttention, LMHead, Transformer, initial_value
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import TensorParallelRNG
@@ -177,8 +177,8 @@ def compile_blocks(module: nn.Module, backend: str) -> int:
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(backend=backend)
-    if all(p.device.type == "cpu" for p in module.parameters()):
-        return len(blocks)  # on CPU aten's softmax kernel beats the compiled pass (model/loss.py)
+    if not compiles_softmax_pass(next(module.parameters()).device.type):
+        return len(blocks)
     compiled = functools.partial(linear_cross_entropy,
                                  softmax_grad=torch.compile(softmax_xent_grad, backend=backend))
     for m in module.modules():

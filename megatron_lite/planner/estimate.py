@@ -37,7 +37,7 @@ from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed.device import DeviceSpec
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.flops import flops_per_token
-from megatron_lite.model.loss import chunk_rows
+from megatron_lite.model.loss import chunk_rows, compiles_softmax_pass
 from megatron_lite.model.transformer import ffn_hidden_size
 
 GB = 1e9
@@ -174,7 +174,7 @@ def output_layer_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, device_t
     width = 4 if cfg.training.precision == "fp32" else 2
     sp = dims.tensor if dims.sequence_parallel else 1
     final_norm = 2 * width * tokens * m.d_model / sp  # its input and output, kept for backward
-    compiled = cfg.training.compile and device_type != "cpu"
+    compiled = cfg.training.compile and compiles_softmax_pass(device_type)
     return final_norm + loss_bytes(tokens, m.d_model, m.vocab_size, width, dims.tensor, compiled, device_type)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import build_model, count_parameters, resolve_model
 from megatron_lite.planner import estimate, parameter_counts
 from megatron_lite.planner.estimate import loss_bytes, step_time
-from tests.conftest import REPO, cpu_env
+from tests.conftest import REPO, _free_port, cpu_env
 
 LLAMA2_7B = 6_738_415_616  # huggyllama/llama-7b
 
@@ -178,10 +177,7 @@ print(json.dumps({
 def test_loss_memory_is_what_the_loss_allocates():
     if not os.path.exists("/proc/self/clear_refs") or platform.libc_ver()[0] != "glibc":
         pytest.skip("measures through Linux's /proc/self/clear_refs and glibc's mallopt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(port)], cwd=REPO, env=cpu_env(),
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(_free_port())], cwd=REPO, env=cpu_env(),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.splitlines()[-1])
