@@ -75,8 +75,11 @@ def main(argv: list[str]) -> int:
     if "--plan" in flags:
         return _plan(cfg, values)
 
+    import torch.distributed as dist
+
     from megatron_lite.checkpoint import CheckpointError
     from megatron_lite.distributed import TopologyError
+    from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.run import run
 
@@ -85,8 +88,20 @@ def main(argv: list[str]) -> int:
     except TopologyError as e:
         _report_once(e)
         return 2
-    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop) as e:
+    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
+        import traceback
+
+        traceback.print_exc()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        reason = f"{type(e).__name__}: {first_line(e)}"
+        if isinstance(e, dist.DistError) or "timed out" in reason.lower():
+            # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
+            reason = (f"a collective failed (distributed.timeout_minutes="
+                      f"{cfg.distributed.timeout_minutes}): {reason}")
+        print(f"error: rank {rank}: {reason}", file=sys.stderr)
         return 1
     return 0
 

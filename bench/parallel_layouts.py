@@ -82,7 +82,7 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
 
     from megatron_lite.config import load_config
     from megatron_lite.data.gpt_dataset import GlobalBatchSampler
-    from megatron_lite.distributed import detect, init_distributed
+    from megatron_lite.distributed import collectives, detect, init_distributed
     from megatron_lite.model import resolve_model
     from megatron_lite.parallel import build_parallel_model
     from megatron_lite.parallel.random import rank_seed
@@ -150,14 +150,12 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
 
     for _ in range(warmup):
         runner.train_step(batches, device)
-    if dims.world_size > 1:
-        dist.barrier()
+    collectives.barrier(dims, "the start of the timed steps")
     counting[0] = True
     start = time.perf_counter()
     for _ in range(steps):
         runner.train_step(batches, device)
-    if dims.world_size > 1:
-        dist.barrier()
+    collectives.barrier(dims, "the end of the timed steps")
     seconds = (time.perf_counter() - start) / steps
     counting[0] = False
     if dims.rank == 0:

@@ -43,7 +43,7 @@ from megatron_lite.config import load_config  # noqa: E402
 from megatron_lite.data.build import ensure_dataset  # noqa: E402
 from megatron_lite.data.source import build_data  # noqa: E402
 from megatron_lite.distributed import detect, init_distributed  # noqa: E402
-from megatron_lite.distributed.parallel_dims import on_one_rank_then_all  # noqa: E402
+from megatron_lite.distributed.collectives import on_one_rank_then_all  # noqa: E402
 from megatron_lite.logging import MetricsLogger  # noqa: E402
 from megatron_lite.model import build_model, flops_per_token, resolve_model  # noqa: E402
 from megatron_lite.model.flops import mfu  # noqa: E402
@@ -199,7 +199,7 @@ def main() -> None:
             raise SystemExit("--synthetic needs model.vocab_size (the tokenizer is not read)")
         data = SyntheticData(cfg.model.vocab_size, cfg.data.seq_length)
     else:
-        on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims)
+        on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims, "the dataset build")
         budget = gb * (a.warmup + a.steps * (a.rounds + 1) + 2 * a.breakdown + 4)
         data = build_data(cfg.data, budget, gb)
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)

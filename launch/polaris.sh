@@ -11,6 +11,8 @@
 #   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES="training.iters=100" launch/polaris.sh
 #   launch/polaris.sh RECIPE [overrides]            # inside an interactive job (qsub -I ...)
 #   launch/polaris.sh --dry-run RECIPE [overrides]  # print the environment and command only
+#   CHECK=1 launch/polaris.sh [RECIPE [overrides]]  # check ranks, groups and network first
+#                                                   # (tools/check_dist.py instead of training)
 #
 # Any #PBS line above can be overridden on the qsub command line (-l select=8:system=polaris,
 # -l walltime=06:00:00, -q prod, -A PROJECT, -l filesystems=home:grand).
@@ -25,9 +27,15 @@ set -euo pipefail
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 cd "${PBS_O_WORKDIR:-$(dirname "$0")/..}"
-RECIPE="${1:-${RECIPE:-}}"
-[[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]" >&2; exit 2; }
-shift || true
+RECIPE="${RECIPE:-}"
+# The first argument is the recipe unless it is an override (k=v) or an option (CHECK=1's).
+if [[ $# -gt 0 && "$1" != -* && "$1" != *=* ]]; then RECIPE="$1"; shift; fi
+PROGRAM=pretrain.py
+if [[ "${CHECK:-0}" == 1 ]]; then
+    PROGRAM=tools/check_dist.py  # the recipe is optional: its layout's groups are checked
+else
+    [[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]" >&2; exit 2; }
+fi
 OVERRIDES_ARR=("$@")
 if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then read -r -a OVERRIDES_ARR <<< "$OVERRIDES"; fi
 
@@ -80,7 +88,7 @@ if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher: no depth binding, -genval
 else                               # Cray PALS: 16 cores (of 64) per rank, bound by depth
     MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+--hostfile "$NODEFILE"} --cpu-bind depth -d 16 --envall)
 fi
-CMD=("${MPI[@]}" "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}")
+CMD=("${MPI[@]}" "${PYTHON:-python}" "$PROGRAM" ${RECIPE:+"$RECIPE"} "${OVERRIDES_ARR[@]}")
 
 INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
 [[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"

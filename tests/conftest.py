@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_harness.checks import install
+
+install()  # this process too (tests that start process groups in spawned children inherit it)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TINY_SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
@@ -23,6 +27,11 @@ WORKS_JSONL = SHARED_DATA / "shakespeare_works.jsonl"
 VENV_BIN = str(Path(sys.executable).parent)
 os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ.get("PATH", "")])
 
+# Every process the tests start runs torch.distributed with accelerator semantics
+# (tests/dist_harness/checks.py): its sitecustomize.py is found first on PYTHONPATH.
+HARNESS = REPO / "tests" / "dist_harness"
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HARNESS), str(REPO)])
+
 
 def require_shared() -> None:
     if not TINY_SHAKESPEARE.is_file():
@@ -33,7 +42,7 @@ def cpu_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_SILENT="true",
-               PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+               PYTHONPATH=os.pathsep.join([str(HARNESS), str(REPO)]), TOKENIZERS_PARALLELISM="false")
     return env
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.shards import (
@@ -30,7 +29,8 @@ from megatron_lite.checkpoint.shards import (
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.distributed.parallel_dims import ParallelDims, broadcast_object, raise_together
+from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
+from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.transformer import ffn_hidden_size
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
@@ -45,14 +45,6 @@ def architecture(cfg: ModelConfig) -> dict:
     out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
     out["ffn_hidden"] = ffn_hidden_size(cfg)
     return out
-
-
-def _all_gather(obj, group=None) -> list:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=group)
-        return out
-    return [obj]
 
 
 def _adam_step(engine) -> float:
@@ -151,7 +143,7 @@ class Checkpointer:
                 tmp.mkdir()
             except OSError as e:
                 error = CheckpointError(f"cannot create {tmp}: {e}")
-        raise_together(error)
+        raise_together(error, self.dims, "creating the checkpoint directory")
         try:
             snapshot, error_text = self._rank_state(step, extra), None
         except Exception as e:  # reported on every rank by _write_and_commit
@@ -195,21 +187,22 @@ class Checkpointer:
             data = store.serialize(snapshot) if snapshot is not None else b""
         except Exception as e:
             data, error_text = b"", f"rank {rank}: {type(e).__name__}: {e}"
-        sizes = _all_gather((len(data), error_text), group)
+        dims = self.dims
+        sizes = all_gather_object((len(data), error_text), dims, "the checkpoint sizes", group)
         failed = [err for _, err in sizes if err]
         if not failed and rank == 0 and self.cfg.checkpoint.check_free_space:
             need, free = sum(n for n, _ in sizes), shutil.disk_usage(tmp).free
             if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
                 failed = [f"not enough free space in {root}: the checkpoint needs {need / 2**20:.1f} MiB, "
                           f"{free / 2**20:.1f} MiB are free"]
-        failed = broadcast_object(failed, group)
+        failed = broadcast_object(failed, dims, "the checkpoint space check", group)
         if not failed:
             try:
                 entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
                 store.crash_point("after_rank_file", rank)
             except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
                 entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-            entries = _all_gather(entry, group)
+            entries = all_gather_object(entry, dims, "the checkpoint write votes", group)
             failed = [e["error"] for e in entries if not e["ok"]]
         if not failed and rank == 0:
             try:
@@ -218,7 +211,7 @@ class Checkpointer:
                 self._apply_retention(step)
             except OSError as e:
                 failed = [f"committing: {e}"]
-        failed = broadcast_object(failed, group)
+        failed = broadcast_object(failed, dims, "the checkpoint commit", group)
         if failed:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -296,7 +289,7 @@ class Checkpointer:
                         break
                 except CheckpointError as e:
                     self.log(f"warning: not rolling back to {path}: {e}")
-        return broadcast_object(found)
+        return broadcast_object(found, self.dims, "the rollback target")
 
     def abandon_after(self, path: Path, reason: str) -> list[Path]:
         """Collective. Make ``path`` the latest checkpoint: newer ones are moved (not deleted)
@@ -307,8 +300,8 @@ class Checkpointer:
                 moved = store.abandon_after(self.root, path, reason)
             except OSError as e:
                 error = CheckpointError(f"cannot move checkpoints newer than {path} aside: {e}")
-        raise_together(error)
-        return broadcast_object(moved)
+        raise_together(error, self.dims, "moving newer checkpoints aside")
+        return broadcast_object(moved, self.dims, "the moved checkpoints")
 
     def load(self, target: Path | None = None) -> Loaded | None:
         """Collective. Loads the checkpoint to resume from (``target``: that one) and returns
@@ -326,8 +319,8 @@ class Checkpointer:
                     self._check_architecture(chosen[1], chosen[0])
             except CheckpointError as e:
                 error = e
-        raise_together(error)
-        chosen = broadcast_object(chosen)
+        raise_together(error, self.dims, "choosing the checkpoint to load")
+        chosen = broadcast_object(chosen, self.dims, "the checkpoint to load")
         if chosen is None:
             return None
         path, manifest = chosen
@@ -341,7 +334,7 @@ class Checkpointer:
             load_fragments(self.engine, Assembler(fragments), manifest["step"])
         except Exception as e:
             error = CheckpointError(f"loading {path} failed on rank {self.dims.rank}: {e}")
-        raise_together(error)
+        raise_together(error, self.dims, "loading the checkpoint")
 
         trainer = states[store.rank_file(0)]["trainer"]
         engine = self.engine

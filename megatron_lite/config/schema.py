@@ -135,6 +135,18 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    timeout_minutes: float = 10.0
+    """How long any collective may wait for the other ranks before the run stops with an error
+    naming it (every rank exits non-zero; with NCCL/HCCL the watchdog aborts the process). Given
+    to every process group, DeepSpeed's included. Megatron-LM's default; raise it for runs whose
+    ranks legitimately wait longer between collectives (a slow first ``torch.compile``)."""
+    setup_timeout_minutes: float = 60.0
+    """How long the other ranks wait while one rank builds the dataset and its indices (a large
+    corpus takes minutes), instead of ``timeout_minutes``."""
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 3e-4
     """Peak learning rate."""
@@ -325,6 +337,8 @@ class Config:
     """Dataset and tokenizer."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout (data parallelism is the world size divided by the others)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Process groups: collective timeouts."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """AdamW settings."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

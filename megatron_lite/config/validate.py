@@ -107,6 +107,9 @@ def validate(cfg: Config) -> list[str]:
              f"{cfg.parallel.pipeline} use 'torch'")
 
     need(o.lr > 0, f"'optimizer.lr' = {o.lr} must be positive")
+    for key in ("timeout_minutes", "setup_timeout_minutes"):
+        value = getattr(cfg.distributed, key)
+        need(value > 0, f"'distributed.{key}' = {value} must be positive (minutes)")
     need(0 <= o.min_lr <= o.lr,
          f"'optimizer.min_lr' = {o.min_lr} must be between 0 and 'optimizer.lr' = {o.lr}")
     need(o.grad_clip >= 0, f"'optimizer.grad_clip' = {o.grad_clip} must be 0 (off) or positive")

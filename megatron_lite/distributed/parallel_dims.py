@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from megatron_lite.config.schema import Config
+from megatron_lite.distributed import collectives
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.launcher_env import LaunchEnv
-
-T = TypeVar("T")
 
 
 class TopologyError(ValueError):
@@ -85,28 +82,33 @@ class ParallelDims:
             by_key.setdefault(key, []).append(r)
         return list(by_key.values())
 
-    def create_groups(self) -> None:
-        """Collective: one process group per dimension (and the combinations DeepSpeed asks for),
-        created on every rank in the same order as ``dist.new_group`` requires."""
+    def create_groups(self, timeout: timedelta) -> None:
+        """Collective: one accelerator group per dimension (and the combinations DeepSpeed asks
+        for), created on every rank in the same order as ``dist.new_group`` requires, and the two
+        gloo groups of host control (``distributed/collectives.py``). Created for one rank too,
+        so that a one-device run takes the same paths as a multi-device one."""
         wanted = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
                   "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
         for name, axes in wanted.items():
             for ranks in self.group_ranks(axes):
-                group = dist.new_group(ranks) if self.world_size > 1 else None
+                # No backend: the default group's, i.e. the accelerator's (NCCL, HCCL; gloo on CPU).
+                group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
-        if self.world_size > 1:
-            # Small host-side agreements (stop on a signal, time to save) over gloo, so that
-            # asking does not synchronise with the accelerator.
-            self.groups["control"] = dist.new_group(backend="gloo")
-            # A background checkpoint writer's collectives, apart from the training step's.
-            self.groups["checkpoint"] = dist.new_group(backend="gloo")
+        # Host-side agreement (errors, stop flags, votes, objects) over gloo: it never waits for
+        # the accelerator, and NCCL/HCCL groups would refuse host tensors.
+        self.groups["control"] = dist.new_group(timeout=timeout, backend="gloo")
+        # A background checkpoint writer's collectives, apart from the training step's.
+        self.groups["checkpoint"] = dist.new_group(timeout=timeout, backend="gloo")
 
     def group(self, name: str):
-        """The process group of this rank along ``name`` (None: the whole world of one rank)."""
+        """The process group of this rank along ``name``; None only where torch.distributed was
+        never started (one process in unit tests and tools)."""
+        if name in self.groups:
+            return self.groups[name]
         if self.world_size == 1:
             return None
-        return self.groups[name]
+        raise KeyError(f"process group '{name}' does not exist: ParallelDims.create_groups was not called")
 
     def mpu(self) -> ModelParallelUnit:
         return ModelParallelUnit(self)
@@ -167,7 +169,7 @@ class ModelParallelUnit:
         return d.coordinate(name)
 
     def _group(self, name: str):
-        return self.dims.group(name) if self.dims.world_size > 1 else dist.group.WORLD
+        return self.dims.group(name)
 
     # tensor (= model) parallel
     def get_model_parallel_group(self):
@@ -235,80 +237,21 @@ def init_distributed(cfg: Config, env: LaunchEnv):
         os.environ[key] = str(value)
     if acc.device_name() != "cpu":
         acc.set_device(env.local_rank)
+    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+    # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
+    collectives.set_default_timeout(timeout)
     if not dist.is_initialized():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
-                                   auto_mpi_discovery=False, verbose=False)
-    dims.create_groups()
+                                   auto_mpi_discovery=False, verbose=False, timeout=timeout)
+    dims.create_groups(timeout)
     return dims, acc
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(dims: ParallelDims) -> None:
     """After a successful run: wait for every rank, then tear the process groups down in order
     (left to interpreter exit, gloo's threads can abort the process)."""
     if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        collectives.barrier(dims, "the end of the run")
         dist.destroy_process_group()
-
-
-def raise_together(error: BaseException | None) -> None:
-    """Collective: every rank raises if any rank has an ``error`` (its own, or a pointer to the
-    other rank's), instead of the healthy ranks waiting forever in a later collective."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        failed = torch.tensor([int(error is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:
-            raise RuntimeError("another rank failed (its error is printed above)")
-    if error is not None:
-        raise error
-
-
-def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, per_node: bool = False) -> None:
-    """Run ``fn`` on rank 0 (or, with ``per_node``, on local rank 0 of every node: node-local
-    disks) while the others wait; if it fails, every rank raises."""
-    error: BaseException | None = None
-    if (dims.local_rank if per_node else dims.rank) == 0:
-        try:
-            fn()
-        except Exception as e:  # re-raised by raise_together, on every rank
-            error = e
-    raise_together(error)
-
-
-def on_every_rank(fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; if it fails on any, every rank raises."""
-    try:
-        result, error = fn(), None
-    except Exception as e:
-        result, error = None, e
-    raise_together(error)
-    return result  # type: ignore[return-value]
-
-
-def any_rank(flags: list[bool], dims: ParallelDims) -> list[bool]:
-    """Element-wise OR of ``flags`` over all ranks (host-side, over the gloo control group)."""
-    if dims.world_size == 1:
-        return flags
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.group("control"))
-    return [bool(x) for x in t.tolist()]
-
-
-def broadcast_object(obj: T, group=None) -> T:
-    """Rank 0's ``obj`` on every rank (picklable objects)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-    return obj
-
-
-def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over all ranks (in place on a copy)."""
-    out = values.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out)
-        out /= dist.get_world_size()
-    return out

@@ -14,42 +14,40 @@ exit (SP)                   reduce-scatter           all-gather
 scatter_sequence            take own slice           all-gather
 ==========================  =======================  ========================
 
-``group=None`` with one rank is never used: callers only insert these ops when the group has
-more than one rank.
+All run on the tensor-parallel (or Ulysses) group, an accelerator group, with device tensors
+(``distributed/collectives.py``). Callers only insert these ops when the group has more than
+one rank.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from megatron_lite.distributed import collectives
 
 SEQ_DIM = 1  # activations are (B, T, ...)
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return collectives.all_reduce(x.contiguous(), group)
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)
+    size = collectives.group_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return collectives.all_gather_into(out, x, group).movedim(0, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)
+    size = collectives.group_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return collectives.reduce_scatter_into(out, x, group).movedim(0, dim)
 
 
 def own_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, rank = collectives.group_size(group), collectives.group_rank(group)
     return x.chunk(size, dim)[rank].contiguous()
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.distributed import collectives
 from megatron_lite.parallel import comm
 
 
@@ -107,7 +108,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         rows = torch.arange(logits.shape[0], device=logits.device)
         row_max = logits.max(dim=-1).values
-        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        collectives.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(1)
         local = targets - start
         owned = (local >= 0) & (local < vocab_local)
@@ -115,7 +116,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(owned, shifted[rows, local], 0.0)
         exp = shifted.exp_()
         sums = torch.stack([target_logit, exp.sum(dim=-1)])
-        torch.distributed.all_reduce(sums, group=group)
+        collectives.all_reduce(sums, group)
         target_logit, sum_exp = sums
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), local, owned)
         ctx.dtype = logits.dtype

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 from megatron_lite.config.schema import Config
-from megatron_lite.distributed.parallel_dims import ParallelDims, any_rank
+from megatron_lite.distributed.collectives import any_rank
+from megatron_lite.distributed.parallel_dims import ParallelDims
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,11 +18,8 @@ from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.parallel_dims import (
-    on_every_rank,
-    on_one_rank_then_all,
-    shutdown_distributed,
-)
+from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
+from megatron_lite.distributed.parallel_dims import shutdown_distributed
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
@@ -79,16 +77,18 @@ def run(cfg: Config) -> RunResult:
         if dims.is_main:
             print(msg, flush=True)
 
-    on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims)
+    setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)
+    on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
+                         timeout=setup)
     iters = total_iters(cfg, dims.global_batch(cfg))
     samples = (train_samples(cfg, iters, dims.global_batch(cfg)),
                cfg.training.eval_iters * dims.global_batch(cfg))
     # One rank builds (and caches) the sample indices (one per node for node-local caches),
     # then every rank maps them.
-    on_one_rank_then_all(lambda: build_data(cfg.data, *samples), dims,
-                         per_node=not cfg.data.cache_shared)
+    on_one_rank_then_all(lambda: build_data(cfg.data, *samples), dims, "the sample index build",
+                         per_node=not cfg.data.cache_shared, timeout=setup)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
-                                            build=False))
+                                            build=False), dims, "opening the dataset")
     data.train = with_injected_faults(data.train, data.tokenizer.vocab_size)
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
@@ -138,5 +138,5 @@ def run(cfg: Config) -> RunResult:
         logger.close()
     if result.final_val_loss is not None and result.stopped is None:
         log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
-    shutdown_distributed()
+    shutdown_distributed(dims)
     return result

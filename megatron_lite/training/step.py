@@ -22,10 +22,10 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite.checkpoint.shards import torch_optimizer
 from megatron_lite.config.schema import Config
+from megatron_lite.distributed import collectives
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.training.engine import trainer_clips_gradients
 
@@ -39,7 +39,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=params[0].device)
     if dims.tensor > 1:
         square = norm.square()
-        dist.all_reduce(square, group=dims.group("tensor"))
+        collectives.all_reduce(square, dims.group("tensor"))
         norm = square.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -102,14 +102,10 @@ class StepRunner:
         local = self._loss_sum
         if self.pipelined:
             local = engine.total_loss if engine.is_last_stage() else None
-        device = local.device if local is not None else torch.device(engine.device)
-        # float64: sums of identical float32 values divide back exactly.
-        t = torch.zeros(2, dtype=torch.float64, device=device)
-        if local is not None:
-            t[0], t[1] = local.detach().double().reshape(()), 1.0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t)
-        return (t[0] / t[1] / self.grad_accum).item()
+        # The step's one host synchronisation; the agreement itself is host control.
+        mine = [float(local.detach().reshape(())), 1.0] if local is not None else [0.0, 0.0]
+        total, count = collectives.sum_over_ranks(mine, self.dims, "the spike check's loss")
+        return total / count / self.grad_accum
 
     def _norm_now(self) -> float | None:
         """The global gradient norm DeepSpeed (or our clipping) computed for this step."""

@@ -18,7 +18,8 @@ from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.parallel_dims import ParallelDims, all_reduce_mean, broadcast_object
+from megatron_lite.distributed.collectives import broadcast_object, mean_over_ranks
+from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
 from megatron_lite.model.flops import mfu
 from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
@@ -75,8 +76,9 @@ class Trainer:
         if self.checkpointer is not None and self.cfg.checkpoint.resume:
             loaded = self.checkpointer.load()
         extra = loaded.extra if loaded is not None and loaded.extra else {}
-        self.spikes.resume(extra.get("spikes"), broadcast_object(self.spikes.read_log() if self.dims.is_main
-                                                                  else None))
+        log = broadcast_object(self.spikes.read_log() if self.dims.is_main else None, self.dims,
+                               "the spike log")
+        self.spikes.resume(extra.get("spikes"), log)
         if loaded is not None:
             self._restore(loaded)
 
@@ -164,7 +166,7 @@ class Trainer:
         for _ in range(n):
             total += self.steps.eval_loss(batches, self.device)
         self.engine.train()
-        return all_reduce_mean(total / n).item()
+        return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
 
     def generate_sample(self) -> str | None:
         t = self.cfg.training
@@ -291,7 +293,7 @@ class Trainer:
         return True
 
     def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
-        loss = all_reduce_mean(mean_loss).item()
+        loss = mean_over_ranks(mean_loss.item(), self.dims, "the logged loss")
         gnorm = self.steps.grad_norm
         tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
         per_device = tokens_per_sec / self.dims.world_size

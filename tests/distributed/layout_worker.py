@@ -16,7 +16,8 @@ import torch
 from megatron_lite.config import load_config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import all_reduce_mean, shutdown_distributed
+from megatron_lite.distributed.collectives import mean_over_ranks
+from megatron_lite.distributed.parallel_dims import ParallelDims, shutdown_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model, local_shards
 from megatron_lite.parallel.random import rank_seed
@@ -40,7 +41,7 @@ VARIANTS = {
 }
 
 
-def train(overrides: list[str]) -> dict:
+def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
     dims, acc = init_distributed(cfg, detect())
     device = torch.device(acc.current_device_name())
@@ -58,7 +59,7 @@ def train(overrides: list[str]) -> dict:
     losses, norms = [], []
     for _ in range(STEPS):
         loss = runner.train_step(batches, device) / runner.grad_accum
-        losses.append(all_reduce_mean(loss).item())
+        losses.append(mean_over_ranks(loss.item(), dims, "the loss"))
         norms.append(float(runner.grad_norm) if runner.grad_norm is not None else None)
     params = list(engine.module.parameters())
     if zero_stage(cfg) == 3:
@@ -68,16 +69,18 @@ def train(overrides: list[str]) -> dict:
             shards = local_shards(engine.module)
     else:
         shards = local_shards(engine.module)
-    return {"losses": losses, "grad_norms": norms, "shards": shards}
+    return {"losses": losses, "grad_norms": norms, "shards": shards}, dims
 
 
 def main() -> None:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
-    results = {name: train([*COMMON, *extra, *overrides]) for name, extra in VARIANTS.items()}
+    results = {}
+    for name, extra in VARIANTS.items():
+        results[name], dims = train([*COMMON, *extra, *overrides])
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out.mkdir(parents=True, exist_ok=True)
     torch.save(results, out / f"rank{rank}.pt")
-    shutdown_distributed()
+    shutdown_distributed(dims)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
     upstream = torch.rand(n, generator=gen)
 
     local = logits.chunk(world, dim=1)[rank].clone().requires_grad_()
-    losses = vocab_parallel_cross_entropy(local, targets, None, rank * (vocab // world))
+    group = dist.new_group()  # an accelerator group, as the tensor-parallel one is
+    losses = vocab_parallel_cross_entropy(local, targets, group, rank * (vocab // world))
     (losses * upstream).sum().backward()
     results.put((rank, losses.detach(), local.grad))
     dist.destroy_process_group()

@@ -116,3 +116,19 @@ def test_polaris_script_trains_for_real_with_mpiexec(tmp_path):
     runtime = json.loads((tmp_path / "run" / "runtime.json").read_text())
     assert runtime["world_size"] == 2 and runtime["data_parallel"] == 2
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+
+
+def test_polaris_check_mode_runs_check_dist_with_mpiexec(tmp_path):
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec: the test extra installs MPICH's (pip install -e '.[test]'), or "
+                    "Debian's mpich package provides one")
+    nodefile = _nodefile(tmp_path, [socket.gethostname()])
+    dry = _launch("polaris.sh", "--dry-run", PBS_NODEFILE=nodefile, NGPUS_PER_NODE="2", CHECK="1")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[-1].endswith(f"{sys.executable} tools/check_dist.py")
+    out = _launch("polaris.sh", "--iters", "1", "--timeout-s", "60", PBS_NODEFILE=nodefile,
+                  NGPUS_PER_NODE="2", CHECK="1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mpiexec -n 2 -ppn 2" in out.stdout
+    assert "check_dist: 2 ranks up" in out.stdout and "check_dist: OK (2 ranks" in out.stdout
+    assert "mpich" in out.stdout  # the per-rank table names the launcher the ranks were started by

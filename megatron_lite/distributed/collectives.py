@@ -1,0 +1,266 @@
+"""Every collective the project issues, each with its group and its device: the one rule.
+
+**Host control** — ranks agreeing on what to do next: errors, stop flags, checkpoint votes,
+spike decisions, small objects (paths, manifests, logs), averages for the log line. Always over
+a gloo group (``ParallelDims``'s ``control`` group, or the background checkpoint writer's own
+``checkpoint`` group) with CPU tensors. It never synchronises the accelerator and works whatever
+backend the accelerator uses: NCCL and HCCL groups, the default group included, take device
+tensors only ("No backend type associated with device type cpu").
+
+**Device** — tensors that live on the accelerator (activations, gradients, norms), over the
+accelerator-backed groups of ``ParallelDims`` (``tensor``, ``ulysses``, ...: NCCL, HCCL, or gloo
+on a CPU run). Never the default group.
+
+Nothing else in the project calls ``torch.distributed``'s collectives
+(tests/unit/test_collectives_rule.py), and every process group is created by
+``ParallelDims.create_groups``. A run always has its process groups, one process too, so a
+one-GPU run executes the same collectives as a multi-GPU one; only code that never started
+``torch.distributed`` (unit tests, tools) gets the local answers.
+
+A collective that fails or times out (``distributed.timeout_minutes``) raises
+``CollectiveError`` naming what the ranks were agreeing on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_lite.distributed.parallel_dims import ParallelDims
+
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another rank stopped, hung or diverged."""
+
+
+def set_default_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` the default of every process group created from now on, those DeepSpeed
+    creates without one (pipeline and ZeRO groups) included: torch reads the default from these
+    two module attributes each time a group is made (``distributed_c10d._get_default_timeout``);
+    no public setting exists."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def _running() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _running() else 0
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line without the backend's source location (``[.../pair.cc:553] ``)."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
+
+
+def _agree(what: str, fn: Callable[[], T]) -> T:
+    """Run one host collective; a failure (a timeout, a rank gone) becomes ``CollectiveError``.
+    Only the collective runs inside: gloo reports its failures as plain ``RuntimeError``."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise CollectiveError(f"rank {_rank()}: {what} (a collective on the gloo control group) "
+                              f"failed: {first_line(e)}") from e
+
+
+def _host_group(dims: ParallelDims, group):
+    return dims.group("control") if group is None else group
+
+
+# ---------------------------------------------------------------- host control (gloo, CPU)
+
+def raise_together(error: BaseException | None, dims: ParallelDims, what: str = "error agreement",
+                   group=None) -> None:
+    """Host, control group: every rank raises if any rank has an ``error`` (its own, or one
+    saying another rank failed), instead of the healthy ranks waiting in a later collective."""
+    g = _host_group(dims, group)
+    if g is not None:
+        failed = torch.tensor([int(error is not None)], dtype=torch.int32)
+        _agree(what, lambda: dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g))
+        if failed.item() and error is None:
+            raise RuntimeError(f"another rank failed during {what} (its error is printed above)")
+    if error is not None:
+        raise error
+
+
+def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, what: str,
+                         per_node: bool = False, timeout: timedelta | None = None) -> None:
+    """Host, control group: ``fn`` on rank 0 (or, with ``per_node``, on local rank 0 of every
+    node: node-local disks) while the others wait, up to ``timeout`` (default: the group's); if
+    it fails, every rank raises."""
+    error: BaseException | None = None
+    if (dims.local_rank if per_node else dims.rank) == 0:
+        try:
+            fn()
+        except Exception as e:  # re-raised by raise_together, on every rank
+            error = e
+    g = dims.group("control")
+    if g is not None and timeout is not None:
+        # The waiting ranks may wait longer than a collective should (a large corpus is being
+        # indexed); gloo's barrier takes a timeout of its own.
+        _agree(f"waiting for {what}", lambda: dist.barrier(group=g, timeout=timeout))
+    raise_together(error, dims, what)
+
+
+def on_every_rank(fn: Callable[[], T], dims: ParallelDims, what: str) -> T:
+    """Host, control group: ``fn()`` on every rank; if it fails on any, every rank raises."""
+    try:
+        result, error = fn(), None
+    except Exception as e:
+        result, error = None, e
+    raise_together(error, dims, what)
+    return result  # type: ignore[return-value]
+
+
+def any_rank(flags: list[bool], dims: ParallelDims, what: str = "stop/save flags") -> list[bool]:
+    """Host, control group: element-wise OR of ``flags`` over all ranks."""
+    g = dims.group("control")
+    if g is None:
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    _agree(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g))
+    return [bool(x) for x in t.tolist()]
+
+
+def sum_over_ranks(values: list[float], dims: ParallelDims, what: str) -> list[float]:
+    """Host, control group: element-wise sum of ``values`` over all ranks, in float64 (sums of
+    identical float32 values divide back exactly)."""
+    g = dims.group("control")
+    if g is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    _agree(what, lambda: dist.all_reduce(t, group=g))
+    return t.tolist()
+
+
+def mean_over_ranks(value: float, dims: ParallelDims, what: str) -> float:
+    """Host, control group: the mean of ``value`` over all ranks (NaN if any rank's is)."""
+    return sum_over_ranks([value], dims, what)[0] / dims.world_size
+
+
+def broadcast_object(obj: T, dims: ParallelDims, what: str, group=None) -> T:
+    """Host, control group (or ``group``, a gloo group): rank 0's picklable ``obj`` on every
+    rank."""
+    g = _host_group(dims, group)
+    if g is None:
+        return obj
+    box = [obj]
+    _agree(what, lambda: dist.broadcast_object_list(box, src=0, group=g))
+    return box[0]
+
+
+def all_gather_object(obj, dims: ParallelDims, what: str, group=None) -> list:
+    """Host, control group (or ``group``, a gloo group): every rank's picklable ``obj``, in
+    rank order."""
+    g = _host_group(dims, group)
+    if g is None:
+        return [obj]
+    out = [None] * dist.get_world_size(g)
+    _agree(what, lambda: dist.all_gather_object(out, obj, group=g))
+    return out
+
+
+def barrier(dims: ParallelDims, what: str) -> None:
+    """Host, control group: wait for every rank."""
+    g = dims.group("control")
+    if g is not None:
+        _agree(what, lambda: dist.barrier(group=g))
+
+
+def all_present(dims: ParallelDims, what: str, timeout: timedelta) -> None:
+    """Host, control group: every rank reaches this point within ``timeout``, or rank 0 raises
+    naming the ranks that did not (gloo's monitored barrier; the others then lose rank 0)."""
+    g = dims.group("control")
+    if g is not None:
+        _agree(what, lambda: dist.monitored_barrier(group=g, timeout=timeout, wait_all_ranks=True))
+
+
+# ---------------------------------------------------------------- device (accelerator groups)
+
+_gloo_groups: dict[object, bool] = {}
+
+
+def _check_device(x: torch.Tensor, group, name: str) -> None:
+    """A host tensor on an NCCL/HCCL group fails deep inside the backend: say what happened."""
+    if x.device.type != "cpu" or group is None:
+        return
+    gloo = _gloo_groups.get(group)
+    if gloo is None:
+        gloo = _gloo_groups[group] = dist.get_backend(group) == "gloo"
+    if not gloo:
+        raise CollectiveError(f"{name}: a host (cpu) tensor {tuple(x.shape)} was given to an "
+                              f"accelerator group ({dist.get_backend(group)}); it takes device tensors")
+
+
+def _newest(module, name: str, older: str):
+    """torch's current name for a collective (the older one warns of deprecation from torch
+    2.10 on), or the older name on the torch releases before it."""
+    return getattr(module, name, None) or getattr(module, older)
+
+
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Device, ``group`` (an accelerator group of ParallelDims): in place, returns ``x``."""
+    _check_device(x, group, "all_reduce")
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """Device, ``group``: the ranks' ``x`` concatenated along dim 0 into ``out``."""
+    _check_device(x, group, "all_gather")
+    _newest(dist, "all_gather_single", "all_gather_into_tensor")(out, x, group=group)
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """Device, ``group``: the sum over ranks of ``x``, this rank's dim-0 slice into ``out``."""
+    _check_device(x, group, "reduce_scatter")
+    _newest(dist, "reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
+    return out
+
+
+def all_to_all_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """Device, ``group``: dim-0 slice i of ``x`` to rank i; slice i of ``out`` from rank i."""
+    _check_device(x, group, "all_to_all_single")
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """Device, ``group``: send ``x`` to the next rank of ``group`` and receive the previous
+    rank's (point to point, as pipeline stages pass activations)."""
+    _check_device(x, group, "isend/recv")
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty_like(x)
+    request = dist.isend(x, dist.get_global_rank(group, (me + 1) % size), group=group)
+    dist.recv(out, dist.get_global_rank(group, (me - 1) % size), group=group)
+    request.wait()
+    return out
+
+
+def group_members(group) -> list[int]:
+    """The global ranks of ``group``."""
+    return dist.get_process_group_ranks(group)
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group)

@@ -1,0 +1,249 @@
+"""Accelerator semantics for torch.distributed on a CPU machine (tests only).
+
+On a GPU or Gaudi cluster the default process group is NCCL or HCCL, and so is every group made
+by ``new_group`` without a backend: they take accelerator tensors only. Host-side traffic must
+use a group created with ``backend="gloo"``. On CPU every tensor is a host tensor and gloo takes
+them all, so mistakes of that kind pass silently here and fail on the first multi-GPU run.
+
+Installed in each test process (``sitecustomize.py`` beside this file), this module:
+
+- initialises the default group for the ``cuda`` device type only (``cuda:gloo``), as NCCL
+  registers it: any collective on it with a host tensor fails;
+- gives groups created without a backend gloo (on this machine the device's tensors are CPU
+  tensors) but remembers them as *accelerator groups*, and groups created with
+  ``backend="gloo"`` as *host groups*;
+- checks every collective before it runs: a host (CPU) tensor on the default group, or a
+  picklable-object collective (``broadcast_object_list``, ``all_gather_object``, ...) on any
+  accelerator group, raises ``AcceleratorSemanticsError`` naming the collective, the group and
+  the calling line. DeepSpeed's own calls on the default group pass device tensors on hardware
+  (it allocates them on the accelerator), and a barrier carries no tensor of the caller's: those
+  run on a gloo group of all ranks instead, as they would succeed on NCCL/HCCL;
+- with ``DIST_HARNESS_REPORT=DIR``, writes ``DIR/rank{R}.json`` at exit: every group (role,
+  ranks, timeout) and every collective called from the project's code (name, group role, the
+  project function that called it, whether DeepSpeed issued it on the project's behalf), so
+  tests can compare the paths of two runs and check that
+  ``distributed.timeout_minutes`` reached every group;
+- with ``DIST_HARNESS_STALL=RANK:FUNCTION:N:SECONDS``, rank RANK sleeps before the N-th
+  collective called from a project function named FUNCTION (a rank stuck before a collective).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+
+HOST_ROLE, DEVICE_ROLE = "host (gloo)", "accelerator (NCCL/HCCL on hardware)"
+
+TENSOR_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter_single", "_all_gather_base",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
+)
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
+                      "scatter_object_list", "send_object_list", "recv_object_list")
+
+
+class AcceleratorSemanticsError(RuntimeError):
+    """A collective that would fail (or stall the device) on an NCCL/HCCL cluster."""
+
+
+roles: dict[object, str] = {}
+"""Process group -> role, for every group created in this process."""
+timeouts: dict[object, timedelta | None] = {}
+created: list[dict] = []
+"""Role, ranks and timeout of every group this rank is a member of, in creation order."""
+calls: list[dict] = []
+"""The collectives the project's code called: name, group role, calling function."""
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROJECT_PARTS = tuple(os.path.join(REPO, part) for part in ("megatron_lite", "tools", "bench", "pretrain.py"))
+_stall_seen = [0]
+_cpu_world: list = [None]
+"""A gloo group of all ranks: where the default group's legitimate calls run here."""
+
+
+def _project_frame():
+    """The innermost frame in the package (megatron_lite/): the function that issued the call."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith(PROJECT_PARTS) and not frame.filename.endswith("collectives.py"):
+            return frame
+    return None
+
+
+def _from_deepspeed() -> bool:
+    """Whether the collective was called by DeepSpeed itself (not through it by our code)."""
+    skip = (os.sep + "torch" + os.sep, os.path.dirname(__file__))
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(s in frame.filename for s in skip):
+            return os.sep + "deepspeed" + os.sep in frame.filename
+    return False
+
+
+def _call_site() -> str:
+    """The first frame outside torch, DeepSpeed and this harness: the code that made the call."""
+    skip = (os.sep + "torch" + os.sep, os.sep + "deepspeed" + os.sep, os.path.dirname(__file__))
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(s in frame.filename for s in skip):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "unknown caller"
+
+
+def _tensors(args, kwargs):
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _group_of(name: str, args, kwargs):
+    import inspect
+
+
+    if "group" in kwargs:
+        return kwargs["group"]
+    try:
+        params = list(inspect.signature(_originals[name]).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "group" in params and params.index("group") < len(args):
+        return args[params.index("group")]
+    return None
+
+
+def _describe(group) -> str:
+    import torch.distributed as dist
+
+    if group is None or group is dist.GroupMember.WORLD:
+        return "the default process group"
+    return f"an {roles.get(group, DEVICE_ROLE)} group of ranks {dist.get_process_group_ranks(group)}"
+
+
+def _record(name: str, role: str) -> None:
+    frame = _project_frame()
+    if frame is None:
+        return
+    site = f"{os.path.relpath(frame.filename, REPO).removeprefix('megatron_lite' + os.sep)}:{frame.name}"
+    calls.append({"name": name, "role": role, "site": site,
+                  "issuer": "deepspeed" if _from_deepspeed() else "project"})
+    stall = os.environ.get("DIST_HARNESS_STALL")
+    if stall:
+        rank, function, nth, seconds = stall.split(":")
+        import torch.distributed as dist
+
+        if dist.get_rank() == int(rank) and frame.name == function:
+            _stall_seen[0] += 1
+            if _stall_seen[0] == int(nth):
+                print(f"[harness] rank {rank} stalls {seconds} s before {name} in {site}", flush=True)
+                time.sleep(float(seconds))
+
+
+def _check(name: str, args, kwargs):
+    """Raises for a call that would fail on an accelerator cluster; returns the group to run it
+    on instead of the default group where it would succeed there (else None)."""
+    import torch.distributed as dist
+
+    group = _group_of(name, args, kwargs)
+    default = group is None or group is dist.GroupMember.WORLD
+    role = DEVICE_ROLE if default else roles.get(group, DEVICE_ROLE)
+    _record(name, "default" if default else role)
+    if name in OBJECT_COLLECTIVES and role != HOST_ROLE:
+        raise AcceleratorSemanticsError(
+            f"{name} on {_describe(group)}, called at {_call_site()}: on NCCL/HCCL the pickled "
+            "objects are staged through the accelerator (a device sync per call); host-side "
+            "agreement belongs on the gloo control group")
+    if default and (name == "barrier" or _from_deepspeed()):
+        return _cpu_world[0]
+    if default:
+        host = [t for t in _tensors(args, kwargs) if t.device.type == "cpu"]
+        if host:
+            raise AcceleratorSemanticsError(
+                f"{name} of a host (cpu) tensor on the default process group, called at "
+                f"{_call_site()}: NCCL/HCCL would fail with 'No backend type associated with "
+                "device type cpu'")
+
+
+_originals: dict[str, object] = {}
+
+
+def _wrap(name: str) -> None:
+    import torch.distributed as dist
+
+    original = getattr(dist, name, None)
+    if original is None:
+        return
+    _originals[name] = original
+
+    @functools.wraps(original)
+    def checked(*args, **kwargs):
+        instead = _check(name, args, kwargs)
+        if instead is not None:
+            import inspect
+
+            params = list(inspect.signature(original).parameters)
+            if "group" in params and params.index("group") < len(args):
+                args = list(args)
+                args[params.index("group")] = instead
+            else:
+                kwargs["group"] = instead
+        return original(*args, **kwargs)
+
+    setattr(dist, name, checked)
+
+
+def install() -> None:
+    import torch.distributed as dist
+
+    if getattr(dist, "_accelerator_semantics", False):
+        return
+    dist._accelerator_semantics = True
+    init, new_group = dist.init_process_group, dist.new_group
+
+    @functools.wraps(init)
+    def init_process_group(backend=None, *args, **kwargs):
+        if backend in (None, "gloo", "cpu:gloo"):
+            backend = "cuda:gloo"  # the default group of an NCCL/HCCL job: accelerator tensors only
+        out = init(backend, *args, **kwargs)
+        timeouts["world"] = kwargs.get("timeout")
+        _cpu_world[0] = new_group(backend="gloo", timeout=kwargs.get("timeout"))
+        return out
+
+    @functools.wraps(new_group)
+    def checked_new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        role = HOST_ROLE if backend in ("gloo", "cpu:gloo") else DEVICE_ROLE
+        if timeout is None:  # what torch gives a group made without one
+            timeout = dist.distributed_c10d._get_default_timeout(dist.Backend.GLOO)
+        group = new_group(ranks, timeout, "gloo" if backend is None else backend, *args, **kwargs)
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            roles[group] = role
+            timeouts[group] = timeout
+            created.append({"role": role, "ranks": dist.get_process_group_ranks(group),
+                            "timeout_s": timeout.total_seconds()})
+        return group
+
+    dist.init_process_group = init_process_group
+    dist.new_group = checked_new_group
+    for name in (*TENSOR_COLLECTIVES, *OBJECT_COLLECTIVES, "barrier", "monitored_barrier"):
+        _wrap(name)
+    if os.environ.get("DIST_HARNESS_REPORT"):
+        atexit.register(_write_report, os.environ["DIST_HARNESS_REPORT"])
+
+
+def _write_report(folder: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() and not roles:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump({"groups": created, "calls": calls, "world_timeout_s":
+                   timeouts.get("world").total_seconds() if timeouts.get("world") else None}, f)
+

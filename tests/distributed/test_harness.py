@@ -1,0 +1,168 @@
+"""Accelerator semantics on CPU (tests/dist_harness): the mistakes NCCL/HCCL would reject fail
+here too, a one-process run takes every collective path a multi-process run takes, every group
+gets ``distributed.timeout_minutes``, and a stuck rank ends the whole run within the timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO, _free_port, char_overrides, check, cpu_env, pretrain_command, run_pretrain
+from tests.dist_harness.checks import DEVICE_ROLE, HOST_ROLE
+
+
+def _torchrun(script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(_free_port()), str(REPO / script), *args]
+
+
+def _args(tmp) -> list[str]:
+    return ["recipes/shakespeare-char.yaml", *char_overrides(tmp)[:3], "training.log_interval=2",
+            "training.eval_interval=0", "training.eval_iters=1", "training.global_batch_size=8",
+            "training.micro_batch_size=4", "training.sample_tokens=0", "model.vocab_size=66",
+            "model.n_layers=2", "model.d_model=64", "model.n_heads=2"]
+
+
+def test_the_old_raise_together_fails_naming_the_call(tmp_path):
+    proc = subprocess.run(_torchrun("tests/distributed/old_raise_together.py", *_args(tmp_path),
+                                    "training.iters=2", f"logging.dir={tmp_path}/run"),
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "all_reduce of a host (cpu) tensor on the default process group, called at" in out, out[-3000:]
+    assert "old_raise_together.py" in out and "in raise_together" in out, out[-3000:]
+
+
+def test_the_harness_refuses_what_an_accelerator_group_would(tmp_path):
+    proc = subprocess.run(_torchrun("tests/distributed/harness_probe.py", str(tmp_path)), cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+    check(proc)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["host tensor, default group"].startswith("AcceleratorSemanticsError: all_reduce of a host")
+        assert "harness_probe.py" in got["host tensor, default group"]
+        assert got["object, default group"].startswith("AcceleratorSemanticsError: broadcast_object_list")
+        assert got["object, accelerator group"].startswith("AcceleratorSemanticsError: broadcast_object_list")
+        assert got["device helper, default group"].startswith("CollectiveError: all_reduce: a host (cpu)")
+        for case in ("control: any_rank", "control: broadcast_object", "control: raise_together",
+                     "device: all_reduce"):
+            assert got[case] == "ok", (case, got[case])
+        assert got["any_rank value"] == [True]
+
+
+def _report(tmp, nproc: int, iters: int, extra: list[str]) -> list[dict]:
+    report = tmp / f"report-{nproc}-{iters}"
+    check(run_pretrain([*_args(tmp), f"training.iters={iters}", "checkpoint.save_interval=2",
+                        f"checkpoint.dir={tmp}/ck{nproc}", f"logging.dir={tmp}/run{nproc}",
+                        "distributed.timeout_minutes=3", *extra], nproc=nproc,
+                       env={"DIST_HARNESS_REPORT": str(report)}))
+    return [json.loads((report / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_one_process_takes_every_collective_path_of_two(tmp_path):
+    """A one-GPU run is the only multi-rank path users can try before their allocation: it must
+    execute the project's collectives exactly as a two-rank run does (data build agreement,
+    stop flags, spike check, checkpoint votes in sync and async saves, resume), and every group,
+    DeepSpeed's included, must carry distributed.timeout_minutes."""
+    paths, inside_deepspeed = {}, {}
+    for nproc in (1, 2):
+        first = _report(tmp_path, nproc, 4, ["checkpoint.async_save=true"])
+        resumed = _report(tmp_path, nproc, 6, ["checkpoint.async_save=false"])
+        reports = first + resumed
+        paths[nproc] = {(c["name"], c["role"], c["site"]) for rep in reports for c in rep["calls"]
+                        if c["issuer"] == "project"}
+        inside_deepspeed[nproc] = {(c["name"], c["role"]) for rep in reports for c in rep["calls"]
+                                   if c["issuer"] == "deepspeed"}
+        for rep in reports:
+            assert rep["world_timeout_s"] == 180.0
+            assert rep["groups"] and {g["timeout_s"] for g in rep["groups"]} == {180.0}, rep["groups"]
+            assert {c["role"] for c in rep["calls"]} <= {HOST_ROLE, DEVICE_ROLE}
+    sites = {site for _, _, site in paths[2]}
+    for expected in ("training/run.py:run", "training/step.py:_mean_loss", "training/control.py:decide",
+                     "checkpoint/checkpointer.py:_write_and_commit", "checkpoint/checkpointer.py:load",
+                     "checkpoint/checkpointer.py:save", "training/run.py:run"):
+        assert expected in sites, (expected, sorted(sites))
+    assert paths[1] == paths[2], {"only with 2": sorted(paths[2] - paths[1]),
+                                  "only with 1": sorted(paths[1] - paths[2])}
+    # DeepSpeed's gradient all-reduce over a data-parallel group of one is skipped (engine.py);
+    # test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing proves it equivalent.
+    assert inside_deepspeed[2] - inside_deepspeed[1] <= {("all_reduce", DEVICE_ROLE)}
+
+
+SKIP_CHECK = """
+import sys, torch
+from megatron_lite.config import load_config
+from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.model import resolve_model
+from megatron_lite.parallel import build_parallel_model
+from megatron_lite.training.engine import build_engine
+from megatron_lite.training.step import StepRunner
+
+cfg = load_config("recipes/shakespeare-char.yaml", ["model.n_layers=2", "model.d_model=64",
+                  "model.n_heads=2", "model.vocab_size=66", "training.micro_batch_size=2",
+                  "training.global_batch_size=4", "training.iters=3", "data.seq_length=32"])
+dims, acc = init_distributed(cfg, detect())
+data = torch.randint(0, 66, (12, 33), generator=torch.Generator().manual_seed(0))
+weights = []
+for allreduce in (False, True):
+    torch.manual_seed(0)
+    model = build_parallel_model(resolve_model(cfg.model, None, 32, 1), dims, "cpu", 1234, "parameters")
+    engine = build_engine(model, cfg, dims, 3, "cpu")
+    assert engine.enable_backward_allreduce is False  # the shortcut build_engine takes for one rank
+    engine.enable_backward_allreduce = allreduce
+    runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
+    batches = iter(data.split(2))
+    for _ in range(3):
+        runner.train_step(batches, torch.device("cpu"))
+    weights.append([p.detach().clone() for p in engine.module.parameters()])
+for a, b in zip(*weights, strict=True):
+    assert torch.equal(a, b)
+print("equal")
+"""
+
+
+def test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing():
+    proc = subprocess.run([sys.executable, "-c", SKIP_CHECK], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("equal"), proc.stderr[-3000:]
+
+
+def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
+    """Rank 1 sleeps before its third spike check; rank 0 waits in that collective until
+    distributed.timeout_minutes (15 s), exits naming it, and the launcher stops rank 1."""
+    timeout_s = 15
+    env = {**cpu_env(), "DIST_HARNESS_STALL": "1:_mean_loss:3:900"}
+    cmd = pretrain_command([*_args(tmp_path), "training.iters=20", f"logging.dir={tmp_path}/run",
+                            f"distributed.timeout_minutes={timeout_s / 60}"], nproc=2)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    # Reading stops when every process has closed its output; a watchdog kills them all
+    # should that never happen.
+    watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    lines, stalled = [], None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "[harness] rank 1 stalls" in line:
+                stalled = time.monotonic()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    ended = time.monotonic()
+    out = "".join(lines)
+    assert stalled is not None, out[-3000:]
+    assert proc.returncode != 0
+    assert ended - stalled < timeout_s + 60, f"{ended - stalled:.0f} s\n{out[-3000:]}"
+    assert "error: rank 0: the spike check's loss (a collective on the gloo control group) failed: " \
+           "Timed out" in out, out[-3000:]
+    with pytest.raises(ProcessLookupError):  # no rank is left behind
+        os.killpg(proc.pid, 0)

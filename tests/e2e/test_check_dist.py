@@ -1,0 +1,54 @@
+"""tools/check_dist.py: passes on 4 gloo ranks with a tensor × data layout, and fails naming the
+rank when one rank has a wrong group or stops answering (launch/polaris.sh's CHECK=1 path is in
+test_launch.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO, _free_port, cpu_env
+
+
+def _run(script: str, nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_free_port()), str(REPO / script), *args]
+    return subprocess.run(cmd, cwd=REPO, env={**cpu_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_four_ranks_pass_every_group_and_collective():
+    proc = _run("tools/check_dist.py", 4, "recipes/shakespeare-char.yaml", "parallel.tensor=2",
+                "--iters", "2", "--timeout-s", "60")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "check_dist: 4 ranks up; layout tensor 2 × ulysses 1 × data 2 × pipeline 1" in out
+    for rank in range(4):  # the per-rank table: rank, host, local rank, launcher
+        assert any(line.split()[:1] == [str(rank)] and "torchrun" in line for line in out.splitlines())
+    for group, ranks in [("tensor", "[0, 1]"), ("tensor", "[2, 3]"), ("data", "[0, 2]"), ("data", "[1, 3]")]:
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            assert f"{group:<14} {ranks:<20} {op:<15}" in out, (group, ranks, op)
+    for group in ("control", "checkpoint"):
+        assert f"{group:<14} {'[0, 1, 2, 3]':<20} {'all_reduce':<15}" in out
+    assert "DS_ACCELERATOR=cpu" in out and "LOCAL_RANK=0   (differs on ranks [1, 2, 3])" in out
+    assert "groups of one rank (created and checked, no traffic): pipeline, ulysses" in out
+    assert "check_dist: OK (4 ranks, 7 groups per rank)" in out
+
+
+def test_a_wrong_group_on_one_rank_is_named():
+    proc = _run("tests/e2e/wrong_group_check_dist.py", 2, "parallel.tensor=2", "--timeout-s", "60")
+    assert proc.returncode != 0
+    assert "check_dist: FAILED on rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1: group 'tensor' has ranks [1], the layout says [0, 1]" in proc.stderr
+    assert "rank 1: group 'data' has ranks [0, 1], the layout says [1]" in proc.stderr
+
+
+def test_a_rank_that_stops_answering_is_named():
+    proc = _run("tools/check_dist.py", 2, "--timeout-s", "10",
+                env={"DIST_HARNESS_STALL": "1:all_present:2:600"})
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "[harness] rank 1 stalls" in out
+    assert "check_dist: FAILED on rank 0" in out, out[-3000:]
+    assert "waiting for every rank before all_reduce on group 'checkpoint'" in out
+    assert "Rank 1 failed to pass monitoredBarrier" in out, out[-3000:]
