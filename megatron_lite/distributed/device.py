@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,23 +138,72 @@ def graph_break(acc, hpu_mode: str):
     return htcore.mark_step
 
 
-def fused_attention(acc):
-    """Gaudi's fused scaled-dot-product attention with ``F.scaled_dot_product_attention``'s
-    calling convention, or None (then the standard kernel is used)."""
+@dataclass(frozen=True)
+class DeviceKernels:
+    """A device's fused kernels, each with the calling convention of the plain-PyTorch reference
+    it replaces; None means the reference runs. ``parallel.apply.use_device_kernels`` plugs the
+    model's into its seams, the optimizer and clipping take theirs directly."""
+
+    attention: Callable | None = None
+    """``F.scaled_dot_product_attention``'s convention (``CausalAttention.sdpa``)."""
+    rms_norm: Callable | None = None
+    """(x, weight, eps) -> normalised x, as ``model.transformer.rms_norm``."""
+    rope: Callable | None = None
+    """(x (B, H, T, hd), cos (T, hd), sin (T, hd)) -> rotated x, as ``model.transformer.apply_rope``."""
+    adamw: type | None = None
+    """An optimizer class taking ``torch.optim.AdamW``'s arguments."""
+    clip_norm: Callable | None = None
+    """(parameters, max_norm) -> total gradient norm, the gradients scaled in place (one rank's
+    norm: used only where no other rank holds part of the gradients)."""
+
+
+def device_kernels(acc) -> DeviceKernels:
+    """The fused kernels of this rank's device: Habana's on Gaudi (those its release ships),
+    none elsewhere (CUDA's fast paths are torch's own: flash SDPA, fused AdamW, compile)."""
     if acc.device_name() != "hpu":
-        return None
-    try:
-        from habana_frameworks.torch.hpex.kernels import FusedSDPA
-    except ImportError:
-        return None
+        return DeviceKernels()
+    return habana_kernels()
+
+
+def habana_kernels() -> DeviceKernels:
+    """Habana's fused kernels as Intel's Llama pretraining workflow uses them (optimum-habana,
+    Megatron-DeepSpeed for Gaudi), adapted to the references' conventions. Each is imported on
+    its own: releases differ in which they ship."""
+    import importlib
+
+    def find(module: str, name: str):
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+
+    sdpa = find("habana_frameworks.torch.hpex.kernels", "FusedSDPA")
+    rms = find("habana_frameworks.torch.hpex.normalization", "FusedRMSNorm")
+    rope = find("habana_frameworks.torch.hpex.kernels", "RotaryPosEmbeddingHelperV2")
+    adamw = find("habana_frameworks.torch.hpex.optimizers", "FusedAdamW")
+    clip = find("habana_frameworks.torch.hpex.normalization", "FusedClipNorm")
 
     def attention(q, k, v, is_causal=False, dropout_p=0.0, enable_gqa=False):
         if enable_gqa and k.size(1) != q.size(1):  # (B, Hkv, T, hd) -> (B, H, T, hd)
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        return FusedSDPA.apply(q, k, v, None, dropout_p, is_causal)
+        return sdpa.apply(q, k, v, None, dropout_p, is_causal)
 
-    return attention
+    def rms_norm(x, weight, eps):
+        return rms.apply(x, weight, eps)
+
+    def rotary(x, cos, sin):
+        # Habana's kernel takes (1, 1, T, hd) tables and the positions of each row (B, T).
+        positions = torch.arange(x.size(2), device=x.device).expand(x.size(0), -1)
+        return rope.apply(x, cos[None, None], sin[None, None], positions)
+
+    def clip_norm(parameters, max_norm):
+        parameters = list(parameters)
+        return clip(parameters, max_norm).clip_norm(parameters)
+
+    return DeviceKernels(attention=attention if sdpa else None, rms_norm=rms_norm if rms else None,
+                         rope=rotary if rope else None, adamw=adamw,
+                         clip_norm=clip_norm if clip else None)
 
 
 def communication_backend(acc) -> str:

@@ -50,16 +50,23 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
     return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., D) -> (..., D). Normalised in fp32 (bf16 sums of squares lose too much), scaled in
+    the input dtype: Llama's numerics, in torch's fused kernel."""
+    return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The kernel, with rms_norm's signature; a device may supply a fused one
+        # (distributed/device.py: device_kernels).
+        self.kernel = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (bf16 sums of squares lose too much), scale in the input dtype: Llama's
-        # numerics, in torch's fused kernel.
-        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -91,9 +98,10 @@ class CausalAttention(nn.Module):
     def __init__(self, dropout: float):
         super().__init__()
         self.dropout = dropout
-        # The kernel, with F.scaled_dot_product_attention's signature; a device may supply a
-        # fused one (distributed/device.py: fused_attention).
+        # The kernels, with F.scaled_dot_product_attention's and apply_rope's signatures; a device
+        # may supply fused ones (distributed/device.py: device_kernels).
         self.sdpa = F.scaled_dot_product_attention
+        self.rotate = apply_rope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -101,7 +109,7 @@ class CausalAttention(nn.Module):
         if rope is not None:
             T = q.size(2)
             cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         y = self.sdpa(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=k.size(1) != q.size(1),

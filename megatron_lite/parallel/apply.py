@@ -20,9 +20,17 @@ import torch
 from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.distributed.device import DeviceKernels
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.loss import compiles_softmax_pass, linear_cross_entropy, softmax_xent_grad
-from megatron_lite.model.transformer import Block, CausalAttention, LMHead, Transformer, initial_value
+from megatron_lite.model.transformer import (
+    Block,
+    CausalAttention,
+    LMHead,
+    RMSNorm,
+    Transformer,
+    initial_value,
+)
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
@@ -206,14 +214,23 @@ def use_loss_kernel(module: nn.Module, kernels: str, device_type: str) -> int:
     return len(heads)
 
 
-def use_attention_kernel(module: nn.Module, kernel) -> None:
-    """Have every attention core call ``kernel`` (``F.scaled_dot_product_attention``'s
-    signature) instead of the standard one, e.g. Gaudi's fused SDPA; None keeps the standard."""
-    if kernel is None:
-        return
+def use_device_kernels(module: nn.Module, kernels: DeviceKernels) -> list[str]:
+    """Plug a device's fused kernels (Gaudi's) into the model's seams: every attention core's
+    attention and RoPE, every RMSNorm. A kernel that is None leaves the reference in place.
+    Returns the names of the kernels plugged in."""
+    used = []
     for m in module.modules():
         if isinstance(m, CausalAttention):
-            m.sdpa = kernel
+            if kernels.attention is not None:
+                m.sdpa = kernels.attention
+                used.append("attention")
+            if kernels.rope is not None:
+                m.rotate = kernels.rope
+                used.append("rope")
+        elif isinstance(m, RMSNorm) and kernels.rms_norm is not None:
+            m.kernel = kernels.rms_norm
+            used.append("rms_norm")
+    return sorted(set(used))
 
 
 def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:

@@ -62,11 +62,12 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
 
 
 def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters: int,
-                 device_type: str):
-    """``deepspeed.initialize`` with our AdamW and LR schedule; returns the engine."""
+                 device_type: str, adamw: type | None = None):
+    """``deepspeed.initialize`` with our AdamW (``adamw``: a device's fused class) and LR
+    schedule; returns the engine."""
     import deepspeed
 
-    optimizer = build_optimizer(model, cfg.optimizer, device_type)
+    optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw)
     peak = cfg.optimizer.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(step, cfg.optimizer, cfg.schedule, total_iters) / peak)

@@ -17,9 +17,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
+                    adamw: type | None = None) -> torch.optim.Optimizer:
+    """AdamW; ``adamw``: a device's fused class with torch's arguments (Gaudi's FusedAdamW)."""
+    groups = param_groups(model, cfg.weight_decay)
+    if adamw is not None:
+        return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # torch's fused AdamW has kernels for CUDA and CPU; elsewhere the multi-tensor path.
     fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+    return torch.optim.AdamW(groups, lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused, foreach=None if fused else True)

@@ -23,7 +23,7 @@ from megatron_lite.distributed.parallel_dims import shutdown_distributed
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.apply import compile_blocks, use_attention_kernel, use_loss_kernel
+from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.engine import build_engine, deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
@@ -98,13 +98,16 @@ def run(cfg: Config) -> RunResult:
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition)
-    use_attention_kernel(model, devmod.fused_attention(acc))
+    kernels = devmod.device_kernels(acc)
+    fused = use_device_kernels(model, kernels) + (["adamw"] if kernels.adamw else [])
+    if fused:
+        log(f"{acc.device_name()} fused kernels: {', '.join(fused)}")
     if use_loss_kernel(model, cfg.training.kernels, acc.device_name()):
         log("output layer + loss: Liger Kernel's fused linear cross-entropy")
     if cfg.training.compile or (acc.device_name() == "hpu" and cfg.training.hpu_mode == "compile"):
         n = compile_blocks(model, acc.get_compile_backend())
         log(f"torch.compile: {n} transformer block(s) on this rank, backend {acc.get_compile_backend()}")
-    engine = build_engine(model, cfg, dims, iters, acc.device_name())
+    engine = build_engine(model, cfg, dims, iters, acc.device_name(), kernels.adamw)
 
     run_dir = Path(cfg.logging.dir)
     fpt = flops_per_token(model_cfg, cfg.data.seq_length)

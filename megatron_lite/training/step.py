@@ -30,10 +30,14 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.training.engine import trainer_clips_gradients
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims,
+                   fused: Callable | None = None) -> torch.Tensor:
     """Clip to the global gradient norm over all tensor-parallel slices (a replicated parameter
     counted once); returns the norm before clipping. Gradients must already be averaged over
-    the data-parallel ranks."""
+    the data-parallel ranks. ``fused``: a device's clipping kernel (``DeviceKernels.clip_norm``),
+    used where this rank holds whole gradients (no tensor parallelism) and clipping is on."""
+    if fused is not None and dims.tensor == 1 and max_norm > 0 and math.isfinite(max_norm):
+        return fused([p for p in params if p.grad is not None], max_norm)
     grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or hasattr(p, "ml_shard"))]
     # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor).
     norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=params[0].device)
@@ -62,8 +66,9 @@ def injected_nan_step(rank: int) -> int | None:
 
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
-                 graph_break: Callable[[], None] = lambda: None):
+                 graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None):
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
+        self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
         # Where Gaudi's lazy mode runs the graph built so far (device.graph_break); else a no-op.
         self.graph_break = graph_break
         self.pipelined = dims.pipeline > 1
@@ -169,7 +174,7 @@ class StepRunner:
             last = micro == self.grad_accum - 1
             if self.own_clipping and last:
                 self.grad_norm = clip_grad_norm(list(engine.module.parameters()),
-                                                self.cfg.optimizer.grad_clip, self.dims)
+                                                self.cfg.optimizer.grad_clip, self.dims, self.clip_kernel)
             if last:
                 self._loss_sum = loss_sum
             engine.step()

@@ -59,7 +59,8 @@ class Trainer:
         self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
         self.state = TrainState()
         self.steps = StepRunner(cfg, dims, engine, self.grad_accum,
-                                devmod.graph_break(acc, cfg.training.hpu_mode))
+                                devmod.graph_break(acc, cfg.training.hpu_mode),
+                                devmod.device_kernels(acc).clip_norm)
         locate = getattr(data.train, "locate", None) if data is not None else None
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.steps.gate(self.spikes.judge)

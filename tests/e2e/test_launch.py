@@ -132,3 +132,28 @@ def test_polaris_check_mode_runs_check_dist_with_mpiexec(tmp_path):
     assert "mpiexec -n 2 -ppn 2" in out.stdout
     assert "check_dist: 2 ranks up" in out.stdout and "check_dist: OK (2 ranks" in out.stdout
     assert "mpich" in out.stdout  # the per-rank table names the launcher the ranks were started by
+
+
+def test_gaudi_environment_reaches_every_node(tmp_path):
+    """The DeepSpeed launcher forwards to remote nodes only its env file's lines: gaudi.sh writes
+    one (the user's ~/.deepspeed_env lines kept) where DeepSpeed's runner looks; mpirun gets -x."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("g1 slots=8\ng2 slots=8\n")
+    (tmp_path / ".deepspeed_env").write_text("MY_SETTING=1\n")
+    env = {"HOSTFILE": str(hosts), "HOME": str(tmp_path), "HCCL_SOCKET_IFNAME": "eth0",
+           "TMPDIR": str(tmp_path)}
+    out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", **env)
+    assert out.returncode == 0, out.stderr
+    env_line = out.stdout.splitlines()[-2]
+    env_file = env_line.split("DS_ENV_FILE=")[1].strip()
+    lines = set(open(env_file).read().splitlines())
+    assert {"MY_SETTING=1", "PT_HPU_LAZY_MODE=1", "HABANA_VISIBLE_MODULES=0,1,2,3,4,5,6,7",
+            "DS_ACCELERATOR=hpu", "HCCL_SOCKET_IFNAME=eth0"} <= lines
+    # Where DeepSpeed's own runner reads the file from, given DS_ENV_FILE.
+    where = ("import os, deepspeed.launcher.runner as r; print(sorted({os.path.join(p, "
+             "r.DEEPSPEED_ENVIRONMENT_NAME) for p in r.DEEPSPEED_ENVIRONMENT_PATHS}))")
+    probe = subprocess.run([sys.executable, "-c", where], env={**cpu_env(), "DS_ENV_FILE": env_file},
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().splitlines()[-1] == str([env_file]), probe.stderr[-2000:]
+    mpirun = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", LAUNCHER="mpirun", **env)
+    assert "-x HCCL_SOCKET_IFNAME" in mpirun.stdout.splitlines()[-1]

@@ -56,3 +56,11 @@ def test_token_budget_becomes_steps():
     assert total_iters(cfg, 12) == 14
     assert total_iters(dataclasses.replace(cfg, training=dataclasses.replace(
         cfg.training, iters=5, train_tokens=None)), 12) == 5
+
+
+def test_gaudi_recipe_sets_zero3_as_intels_workflow_does():
+    cfg = load_config(REPO / "recipes/llama2-7b-gaudi.yaml", [])
+    ds = deepspeed_config(cfg, ParallelDims.plan(cfg, world_size=4))
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": False, "contiguous_gradients": False,
+                                       "reduce_scatter": False}
+    assert ds["bf16"]["enabled"] and cfg.training.device == "hpu" and cfg.training.hpu_mode == "lazy"

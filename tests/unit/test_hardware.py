@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.model import build_model
-from megatron_lite.parallel.apply import use_attention_kernel
+from megatron_lite.parallel.apply import use_device_kernels
 from tests.conftest import REPO
 
 DIRECT_CUDA = re.compile(r"torch\.cuda\b|\.cuda\(")
@@ -36,7 +36,7 @@ class _CpuAccelerator:
 
 def test_hpu_hooks_are_no_ops_off_hpu():
     acc = _CpuAccelerator()
-    assert devmod.fused_attention(acc) is None
+    assert devmod.device_kernels(acc) == devmod.DeviceKernels()  # every reference path stays
     assert devmod.graph_break(acc, "lazy")() is None
 
 
@@ -60,7 +60,110 @@ def test_an_attention_kernel_plugs_into_every_attention_core():
         calls.append((q.shape, k.shape, kwargs["is_causal"], kwargs["enable_gqa"]))
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    use_attention_kernel(model, kernel)
+    assert use_device_kernels(model, devmod.DeviceKernels(attention=kernel)) == ["attention"]
     got = model(x, x)
     assert len(calls) == 2 and calls[0] == ((2, 4, 16, 8), (2, 2, 16, 8), True, True)
     torch.testing.assert_close(got, want)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class _FakeHabana:
+    """Habana's fused kernels as their callers use them (optimum-habana, Megatron-DeepSpeed for
+    Gaudi), computed with plain torch: checks our adapters' conventions (argument order, table
+    shapes, positions, no grouped-query heads in FusedSDPA) on CPU."""
+
+    calls: list[str] = []
+
+    class FusedSDPA:
+        @staticmethod
+        def apply(q, k, v, mask, dropout_p, is_causal):
+            assert k.size(1) == q.size(1), "FusedSDPA takes as many key heads as query heads"
+            _FakeHabana.calls.append("sdpa")
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal)
+
+    class FusedRMSNorm:
+        @staticmethod
+        def apply(x, weight, eps):
+            _FakeHabana.calls.append("rms_norm")
+            xf = x.float()
+            return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    class RotaryPosEmbeddingHelperV2:
+        @staticmethod
+        def apply(x, cos, sin, position_ids):
+            assert cos.dim() == 4 and cos.shape[:2] == (1, 1) and position_ids.shape == (x.size(0), x.size(2))
+            _FakeHabana.calls.append("rope")
+            # (B, 1, T, hd) tables for the rows' positions
+            cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
+            return x * cos + _rotate_half(x) * sin
+
+    class FusedAdamW(torch.optim.AdamW):
+        pass
+
+    class FusedClipNorm:
+        def __init__(self, parameters, max_norm):
+            self.max_norm = max_norm
+
+        def clip_norm(self, parameters):
+            _FakeHabana.calls.append("clip_norm")
+            return torch.nn.utils.clip_grad_norm_(parameters, self.max_norm)
+
+
+def test_habana_kernels_plug_into_the_seams_and_compute_the_same(monkeypatch):
+    import sys
+    import types
+
+    from megatron_lite.config.schema import OptimizerConfig
+    from megatron_lite.distributed.parallel_dims import ParallelDims
+    from megatron_lite.training.optimizer import build_optimizer
+    from megatron_lite.training.step import clip_grad_norm
+
+    fake = _FakeHabana
+    hpex = "habana_frameworks.torch.hpex"
+    modules = {"habana_frameworks": {}, "habana_frameworks.torch": {}, hpex: {},
+               f"{hpex}.kernels": {"FusedSDPA": fake.FusedSDPA,
+                                   "RotaryPosEmbeddingHelperV2": fake.RotaryPosEmbeddingHelperV2},
+               f"{hpex}.normalization": {"FusedRMSNorm": fake.FusedRMSNorm,
+                                         "FusedClipNorm": fake.FusedClipNorm},
+               f"{hpex}.optimizers": {"FusedAdamW": fake.FusedAdamW}}
+    for name, attrs in modules.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+
+    class Hpu:
+        def device_name(self) -> str:
+            return "hpu"
+
+    kernels = devmod.device_kernels(Hpu())
+    for kind in ("attention", "rms_norm", "rope", "adamw", "clip_norm"):
+        assert getattr(kernels, kind) is not None, kind
+
+    cfg = ModelConfig(vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, max_seq_len=16,
+                      position="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference, fused = build_model(cfg, "cpu", seed=0), build_model(cfg, "cpu", seed=0)
+    assert use_device_kernels(fused, kernels) == ["attention", "rms_norm", "rope"]
+    fake.calls.clear()
+    want, got = reference(x, x), fused(x, x)
+    assert {"sdpa", "rms_norm", "rope"} <= set(fake.calls)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want.backward()
+    got.backward()
+    for (name, a), b in zip(reference.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    opt = build_optimizer(fused, OptimizerConfig(), "hpu", kernels.adamw)
+    assert isinstance(opt, fake.FusedAdamW) and opt.defaults["lr"] == OptimizerConfig().lr
+
+    dims = ParallelDims(world_size=1, rank=0, local_rank=0, tensor=1, pipeline=1, data=1)
+    params = list(fused.parameters())
+    norm_ref = clip_grad_norm(list(reference.parameters()), 0.01, dims)
+    norm = clip_grad_norm(params, 0.01, dims, kernels.clip_norm)
+    assert fake.calls[-1] == "clip_norm"
+    torch.testing.assert_close(norm, norm_ref, rtol=1e-4, atol=0)
+    for a, b in zip(reference.parameters(), params, strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7)
