@@ -166,3 +166,13 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
            "Timed out" in out, out[-3000:]
     with pytest.raises(ProcessLookupError):  # no rank is left behind
         os.killpg(proc.pid, 0)
+
+
+def test_ranks_wait_for_the_dataset_build_longer_than_a_collective(tmp_path):
+    """Rank 0 takes 25 s before the dataset-build agreement (as indexing a large corpus does);
+    rank 1 waits in it for distributed.setup_timeout_minutes, not the 15 s collective timeout."""
+    proc = run_pretrain([*_args(tmp_path), "training.iters=2", f"logging.dir={tmp_path}/run",
+                         "distributed.timeout_minutes=0.25"], nproc=2,
+                        env={"DIST_HARNESS_STALL": "0:run:1:25"})
+    check(proc)
+    assert "[harness] rank 0 stalls 25 s before barrier in training/run.py:run" in proc.stdout
