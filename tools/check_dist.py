@@ -40,15 +40,18 @@ from megatron_lite.config import load_config  # noqa: E402
 from megatron_lite.config.load import build_config, parse_overrides  # noqa: E402
 from megatron_lite.distributed import collectives, detect, init_distributed  # noqa: E402
 from megatron_lite.distributed.collectives import CollectiveError  # noqa: E402
-from megatron_lite.distributed.parallel_dims import AXES, ParallelDims, TopologyError  # noqa: E402
+from megatron_lite.distributed.parallel_dims import (  # noqa: E402
+    AXES,
+    GROUP_AXES,
+    ParallelDims,
+    TopologyError,
+)
 
 # Environment that decides how the ranks find each other and which network the collectives use.
 ENV_PREFIXES = ("NCCL_", "FI_", "OFI_", "HCCL_", "HABANA_", "PT_HPU", "CUDA_VISIBLE", "MASTER_",
                 "PALS_", "PMI_", "OMPI_COMM_WORLD_LOCAL", "SLURM_LOCALID", "LOCAL_", "DS_ACCELERATOR",
                 "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS")
 DEFAULT_LAYOUT = ["data.prefix=unused", "data.tokenizer.model=unused", "training.iters=1"]
-GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
-              "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
 # nccl-tests' bus bandwidth: the bytes each rank's link carries relative to the message size.
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,

@@ -74,7 +74,7 @@ def _agree(what: str, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except RuntimeError as e:
-        raise CollectiveError(f"rank {_rank()}: {what} (a collective on the gloo control group) "
+        raise CollectiveError(f"rank {_rank()}: {what} (a collective on a gloo control group) "
                               f"failed: {first_line(e)}") from e
 
 

@@ -21,6 +21,10 @@ class TopologyError(ValueError):
 # Rank order, innermost first (Megatron's): tensor ranks are neighbours (one node, fastest links),
 # then Ulysses sequence ranks, then data-parallel replicas, then pipeline stages.
 AXES = ("tensor", "ulysses", "data", "pipeline")
+# The accelerator groups: name -> the axes along which its ranks differ (DeepSpeed also asks for
+# data × Ulysses, the ranks that average gradients).
+GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
+              "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,7 @@ class ParallelDims:
         for), created on every rank in the same order as ``dist.new_group`` requires, and the two
         gloo groups of host control (``distributed/collectives.py``). Created for one rank too,
         so that a one-device run takes the same paths as a multi-device one."""
-        wanted = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
-                  "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
-        for name, axes in wanted.items():
+        for name, axes in GROUP_AXES.items():
             for ranks in self.group_ranks(axes):
                 # No backend: the default group's, i.e. the accelerator's (NCCL, HCCL; gloo on CPU).
                 group = dist.new_group(ranks, timeout=timeout)

@@ -162,7 +162,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
     assert stalled is not None, out[-3000:]
     assert proc.returncode != 0
     assert ended - stalled < timeout_s + 60, f"{ended - stalled:.0f} s\n{out[-3000:]}"
-    assert "error: rank 0: the spike check's loss (a collective on the gloo control group) failed: " \
+    assert "error: rank 0: the spike check's loss (a collective on a gloo control group) failed: " \
            "Timed out" in out, out[-3000:]
     with pytest.raises(ProcessLookupError):  # no rank is left behind
         os.killpg(proc.pid, 0)
