@@ -25,6 +25,7 @@ and the group that failed, disagreed or did not answer in time.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -62,22 +63,16 @@ class CheckFailed(RuntimeError):
     pass
 
 
-def parse(argv: list[str]) -> tuple[list[str], dict]:
-    options = {"--size-mb": None, "--iters": 5, "--timeout-s": 120.0}
-    rest, i = [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in options:
-            if not eq:
-                i += 1
-                value = argv[i]
-            options[name] = float(value)
-        elif argv[i].startswith("--") and not argv[i].startswith("--local"):
-            raise SystemExit(f"error: unknown option {argv[i]}; see --help")
-        elif not argv[i].startswith("--local"):
-            rest.append(argv[i])
-        i += 1
-    return rest, options
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="check_dist.py", add_help=False)
+    parser.add_argument("args", nargs="*", help="RECIPE.yaml and dotted.key=value overrides")
+    parser.add_argument("--size-mb", type=float, default=None)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    # The DeepSpeed launcher (and torch.distributed.launch) pass the local rank as an option;
+    # detect() reads it from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_intermixed_args(argv)
 
 
 def build_cfg(args: list[str], timeout_s: float):
@@ -240,15 +235,15 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return 0
-    args, options = parse(argv)
+    options = parse(argv)
     env = detect()
     print(f"check_dist: rank {env.rank}/{env.world_size} on {socket.gethostname()} (local rank "
           f"{env.local_rank}, launcher {env.launcher}, pid {os.getpid()}) starting", flush=True)
-    timeout = timedelta(seconds=options["--timeout-s"])
+    timeout = timedelta(seconds=options.timeout_s)
     try:
-        cfg = build_cfg(args, options["--timeout-s"])
+        cfg = build_cfg(options.args, options.timeout_s)
         dims, acc = init_distributed(cfg, env)
-        size_mb = options["--size-mb"] if options["--size-mb"] is not None else (
+        size_mb = options.size_mb if options.size_mb is not None else (
             64 if acc.device_name() != "cpu" else 1)
         numel = int(size_mb * 2**20 / 4)
         all_present(dims, "the checks", timeout)
@@ -257,7 +252,7 @@ def main(argv: list[str]) -> int:
         if dims.is_main:
             print(f"check_dist: {dims.world_size} ranks up; layout {layout}", flush=True)
         check_members(dims)
-        rows = check_groups(dims, acc, numel, int(options["--iters"]), timeout)
+        rows = check_groups(dims, acc, numel, options.iters, timeout)
         results = collectives.all_gather_object(rows, dims, "the bandwidth table")
         if dims.is_main:
             report(dims, infos, [r for per_rank in results for r in per_rank])

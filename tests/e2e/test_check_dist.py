@@ -1,6 +1,6 @@
-"""tools/check_dist.py: passes on 4 gloo ranks with a tensor × data layout, and fails naming the
-rank when one rank has a wrong group or stops answering (launch/polaris.sh's CHECK=1 path is in
-test_launch.py)."""
+"""tools/check_dist.py: passes on 4 gloo ranks with a tensor × data layout and under the DeepSpeed
+launcher, and fails naming the rank when one rank has a wrong group or stops answering
+(launch/polaris.sh's CHECK=1 path is in test_launch.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,17 @@ def test_four_ranks_pass_every_group_and_collective():
     assert "DS_ACCELERATOR=cpu" in out and "LOCAL_RANK=0   (differs on ranks [1, 2, 3])" in out
     assert "groups of one rank (created and checked, no traffic): pipeline, ulysses" in out
     assert "check_dist: OK (4 ranks, 7 groups per rank)" in out
+
+
+def test_the_deepspeed_launcher_runs_it():
+    # The launcher passes --local_rank to the script and sets RANK/LOCAL_RANK/WORLD_SIZE itself.
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(_free_port()), str(REPO / "tools/check_dist.py"), "--iters", "1", "--timeout-s", "60"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check_dist: 2 ranks up; layout tensor 1 × ulysses 1 × data 2 × pipeline 1" in proc.stdout
+    assert "LOCAL_RANK=0   (differs on ranks [1])" in proc.stdout
+    assert "check_dist: OK (2 ranks" in proc.stdout
 
 
 def test_a_wrong_group_on_one_rank_is_named():
