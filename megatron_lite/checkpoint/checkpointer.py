@@ -79,6 +79,21 @@ class Checkpointer:
         self.model_cfg, self.log = model_cfg, log
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
         self._pending: tuple[threading.Thread, dict] | None = None
+        self._lock = None  # rank 0's open lock file on the directory (store.claim)
+
+    def claim(self) -> None:
+        """Collective, before the first load or save: rank 0 locks the directory for this run
+        and, under ``checkpoint.resume=false``, refuses one holding another run's checkpoints."""
+        error = None
+        if self.dims.rank == 0:
+            try:
+                self._lock, warning = store.claim(self.root, fresh=not self.cfg.checkpoint.resume)
+                if warning:
+                    self.log(warning)
+            except (CheckpointError, OSError) as e:
+                error = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"cannot use checkpoint.dir {self.root}: {e}")
+        raise_together(error, self.dims, "claiming the checkpoint directory")
 
     def _topology(self) -> dict:
         from megatron_lite.training.engine import zero_stage
@@ -199,7 +214,6 @@ class Checkpointer:
         if not failed:
             try:
                 entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
-                store.crash_point("after_rank_file", rank)
             except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
                 entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
             entries = all_gather_object(entry, dims, "the checkpoint write votes", group)

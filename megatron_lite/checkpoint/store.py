@@ -7,6 +7,7 @@ Layout of ``checkpoint.dir``::
         manifest.json      written last: step, data position, config, topology, files + SHA-256
         rank_00000.pt ...  one file per rank (its fragments, RNG states; rank 0: trainer state)
     .tmp-step_00002000/    a save in progress (never loaded; removed when found at start)
+    .lock                  held (flock) by the run using the directory; names its host and pid
 
 A checkpoint is committed by renaming its temporary directory after every rank has written and
 the manifest is on disk; ``latest`` is replaced by write-temp-then-rename afterwards. A crash at
@@ -15,18 +16,22 @@ any moment leaves the previous checkpoint and ``latest`` valid.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
 import os
 import shutil
-import signal
+import socket
+import time
 from pathlib import Path
+from typing import IO
 
 import torch
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+LOCK = ".lock"
 FORMAT_VERSION = 1
 
 
@@ -92,7 +97,6 @@ def commit(root: Path, tmp: Path, manifest: dict) -> Path:
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    crash_point("before_latest", 0)
     write_bytes_durably(root / LATEST, (final.name + "\n").encode())
     fsync_dir(root)
     return final
@@ -150,6 +154,53 @@ def read_latest(root: Path) -> Path | None:
     return root / name
 
 
+def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
+    """Rank 0, before anything in ``root`` is read or removed: take the directory for this run.
+
+    An exclusive ``flock`` on ``root/.lock``, held until the process ends (the kernel drops it
+    when the process dies, so a crashed run leaves no stale lock): a second run on the same
+    directory (a requeued job beside a live one) is refused before it can delete the live run's
+    save in progress. ``fresh`` (``checkpoint.resume=false``) also refuses a directory that
+    holds committed checkpoints: the new run's saves, retention and ``latest`` would mix with
+    another run's. Returns the open lock file (keep it open) and a warning when the filesystem
+    cannot lock (then nothing guards against a second run).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / LOCK, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "holder unknown"
+        lock.close()
+        raise CheckpointError(f"{root} is in use by another run ({holder}); two runs must not share "
+                              "a checkpoint.dir: wait for that run to end, or give this one its own "
+                              "checkpoint.dir") from None
+    except OSError as e:  # e.g. Lustre mounted without -o flock, some NFS setups
+        lock.close()
+        lock, warning = None, (f"warning: cannot lock {root} ({e}); make sure no other run uses this "
+                               "checkpoint.dir")
+    else:
+        warning = None
+    if fresh:
+        existing = committed_steps(root)
+        if existing or (root / LATEST).exists():
+            if lock is not None:
+                lock.close()
+            newest = existing[0].name if existing else f"'{LATEST}' only"
+            raise CheckpointError(
+                f"{root} holds another run's checkpoints (newest: {newest}) and checkpoint.resume is "
+                "false: a new run there would replace, retain-away or repoint them. Give this run its "
+                "own checkpoint.dir, or set checkpoint.resume=true to continue that run")
+    if lock is not None:
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+    return lock, warning
+
+
 def remove_stale(root: Path) -> list[Path]:
     """Remove saves that never committed (``.tmp-*``) and replaced copies (``.old-*``); a copy
     whose replacement never arrived is put back. Returns what was removed."""
@@ -182,16 +233,6 @@ def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
     write_bytes_durably(root / LATEST, (keep.name + "\n").encode())
     fsync_dir(root)
     return moved
-
-
-def crash_point(name: str, rank: int) -> None:
-    """Fault injection for the crash-safety tests: with ``MEGATRON_LITE_CRASH_AT=NAME`` (or
-    ``NAME:RANK``) in the environment, the process kills itself (SIGKILL) at that point of a
-    save: ``after_rank_file`` (its file written, the commit not done) or ``before_latest``
-    (committed, ``latest`` not yet moved)."""
-    wanted = os.environ.get("MEGATRON_LITE_CRASH_AT")
-    if wanted and wanted in (name, f"{name}:{rank}"):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def retained(steps: list[int], keep_last: int, keep_every: int, protect: set[int]) -> set[int]:

@@ -13,7 +13,6 @@ from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data.build import ensure_dataset
-from megatron_lite.data.faults import with_injected_faults
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
@@ -89,7 +88,6 @@ def run(cfg: Config) -> RunResult:
                          per_node=not cfg.data.cache_shared, timeout=setup)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False), dims, "opening the dataset")
-    data.train = with_injected_faults(data.train, data.tokenizer.vocab_size)
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
     if model_cfg.vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "

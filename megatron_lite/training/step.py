@@ -18,7 +18,6 @@ This costs one host synchronisation per step, as Megatron's own finite-gradient 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -54,16 +53,6 @@ Judge = Callable[[float, "float | None", bool], bool]
 """(mean loss over all ranks, global gradient norm, fp16 loss-scale overflow) -> apply the update?"""
 
 
-def injected_nan_step(rank: int) -> int | None:
-    """Fault injection for the spike tests: ``MEGATRON_LITE_NAN_LOSS=STEP[:RANK]`` makes the loss
-    of that step NaN on that rank (every rank without ``:RANK``)."""
-    wanted = os.environ.get("MEGATRON_LITE_NAN_LOSS")
-    if not wanted:
-        return None
-    step, _, only = wanted.partition(":")
-    return int(step) if not only or int(only) == rank else None
-
-
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
                  graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None):
@@ -78,7 +67,6 @@ class StepRunner:
         self.applied = True  # whether the last step's update was applied
         self._armed = False
         self._loss_sum: torch.Tensor | None = None
-        self._nan_step = injected_nan_step(dims.rank)
 
     # ---------------------------------------------------------------- gate
     def gate(self, judge: Judge) -> None:
@@ -150,9 +138,9 @@ class StepRunner:
         for batch in batches:
             yield self.split(batch.to(device, non_blocking=True))
 
-    def train_step(self, batches: Iterator[torch.Tensor], device, step: int | None = None) -> torch.Tensor:
-        """One optimizer step over ``grad_accum`` micro-batches (``step``: its 1-based number);
-        returns the sum of the micro-batch losses as a device tensor."""
+    def train_step(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the sum of the
+        micro-batch losses as a device tensor."""
         engine = self.engine
         self._armed, self.applied = self.judge is not None, True
         if self.pipelined:
@@ -166,8 +154,6 @@ class StepRunner:
         for micro in range(self.grad_accum):
             inputs, targets = next(pairs)
             loss = engine(inputs, targets)
-            if micro == 0 and step is not None and step == self._nan_step:
-                loss = loss * float("nan")
             engine.backward(loss)
             self.graph_break()
             loss_sum += loss.detach().float()

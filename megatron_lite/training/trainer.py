@@ -18,7 +18,7 @@ from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.collectives import broadcast_object, mean_over_ranks
+from megatron_lite.distributed.collectives import broadcast_object, first_line, mean_over_ranks
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
 from megatron_lite.model.flops import mfu
@@ -71,11 +71,14 @@ class Trainer:
 
     # ---- checkpoints ----
     def maybe_resume(self) -> None:
-        """Resume from the latest checkpoint (when there is one and resuming is on), with the
-        spike tracker's state; ``spikes.jsonl`` is cut back to match."""
+        """Claim the checkpoint directory, then resume from its latest checkpoint (when there is
+        one and resuming is on), with the spike tracker's state; ``spikes.jsonl`` is cut back to
+        match."""
         loaded = None
-        if self.checkpointer is not None and self.cfg.checkpoint.resume:
-            loaded = self.checkpointer.load()
+        if self.checkpointer is not None:
+            self.checkpointer.claim()
+            if self.cfg.checkpoint.resume:
+                loaded = self.checkpointer.load()
         extra = loaded.extra if loaded is not None and loaded.extra else {}
         log = broadcast_object(self.spikes.read_log() if self.dims.is_main else None, self.dims,
                                "the spike log")
@@ -203,6 +206,30 @@ class Trainer:
                              workers=self.data.num_workers > 0, skip=self.spikes.skip)
 
     def train(self) -> RunResult:
+        """The training loop. However it ends, the save in flight (``checkpoint.async_save``)
+        is finished first: on an exception exit it is waited for, or reported abandoned, before
+        the exception goes on."""
+        try:
+            return self._train()
+        except BaseException as failure:
+            self._settle_save_before_exit(failure)
+            raise
+
+    def _settle_save_before_exit(self, failure: BaseException) -> None:
+        if self.pending_save is None:
+            return
+        step, self.pending_save = self.pending_save[0], None
+        self.log(f"waiting for the checkpoint save of step {step} still in flight before exiting "
+                 f"({type(failure).__name__})")
+        try:
+            path = self.checkpointer.wait()
+        except BaseException as e:  # the writer's own failure, or the other ranks are gone
+            self.log(f"error: the checkpoint save of step {step} was abandoned: {first_line(e)}; "
+                     f"the previous checkpoint stays the latest")
+            return
+        self.log(f"the checkpoint save of step {step} completed: {path}")
+
+    def _train(self) -> RunResult:
         cfg, engine, st = self.cfg, self.engine, self.state
         t = cfg.training
         batches = self._train_batches()
@@ -262,7 +289,7 @@ class Trainer:
 
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step; returns the summed micro-batch losses as a device tensor."""
-        return self.steps.train_step(batches, self.device, self.state.step + 1)
+        return self.steps.train_step(batches, self.device)
 
     def rollback(self) -> bool:
         """Collective. Reload the newest checkpoint at least ``spikes.rollback.min_steps_back``

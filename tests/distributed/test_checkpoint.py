@@ -76,9 +76,17 @@ def _gathered_state(path):
             for name in assembler.names() for key in ("param", *STATE_KEYS)}
 
 
-def test_corrupt_checkpoint_stops_the_run_naming_the_file(tmp_path):
+def test_corrupt_checkpoint_stops_the_run_naming_the_file_and_a_fresh_run_is_refused(tmp_path):
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
     check(run_pretrain([*_args(tmp_path, "training.iters=4"), *ck, f"logging.dir={tmp_path}/a"]))
+    # A new run (resume=false) on this directory is refused before it touches anything.
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*")}
+    proc = run_pretrain([*_args(tmp_path, "training.iters=2"), *ck, "checkpoint.resume=false",
+                         f"logging.dir={tmp_path}/fresh"])
+    assert proc.returncode == 1
+    assert "holds another run's checkpoints (newest: step_00000004) and checkpoint.resume is false" \
+        in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*")} == before
     shard = tmp_path / "ck/step_00000004/rank_00000.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01
@@ -99,5 +107,5 @@ def test_retention_after_ten_saves(tmp_path, async_save):
           "checkpoint.keep_every=4", f"checkpoint.async_save={str(async_save).lower()}"]
     check(run_pretrain([*_args(tmp_path, "training.iters=10"), *ck, f"logging.dir={tmp_path}/run"]))
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert kept == ["latest", "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
+    assert kept == [".lock", "latest", "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
     assert (tmp_path / "ck/latest").read_text().strip() == "step_00000010"

@@ -83,7 +83,7 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, sma
     assert f"not enough free space in {small_fs}/ck" in proc.stderr and "MiB are free" in proc.stderr
     assert "on_save_failure=stop" in proc.stderr
     assert (small_fs / "ck/latest").read_text().strip() == "step_00000002"
-    assert sorted(p.name for p in (small_fs / "ck").iterdir()) == ["latest", "step_00000002"]
+    assert sorted(p.name for p in (small_fs / "ck").iterdir()) == [".lock", "latest", "step_00000002"]
     events = [r for r in read_metrics(tmp_path / "run") if r.get("event") == "checkpoint_save_failed"]
     assert len(events) == 1 and events[0]["step"] == 4
 
@@ -112,8 +112,8 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, crash):
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a"]
-    env = {**cpu_env(), "MEGATRON_LITE_CRASH_AT": crash}
-    # The crash point fires at every save; the first save must succeed, so arm it from the second.
+    env = {**cpu_env(), "FAULT_KILL_AT": crash}
+    # The kill fires at every save; the first save must succeed, so arm it from the second.
     first = subprocess.run([c for c in cmd if c != "training.iters=6"] + ["training.iters=2"], cwd=REPO,
                            env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -126,3 +126,19 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, crash):
     want, got = _records(tmp_path / "full", 3), _records(tmp_path / "b", 1)
     assert [r["step"] for r in got] == [3, 4, 5, 6]
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_a_stop_while_a_background_save_is_in_flight_waits_for_the_save(tmp_path):
+    """The step-2 save is still being written (a slow filesystem) when step 3's NaN stops the
+    run: the exit waits for it, so step 2 is committed and `latest` names it."""
+    ck = tmp_path / "ck"
+    args = _args(tmp_path, "training.iters=6", "checkpoint.async_save=true", "checkpoint.save_interval=2",
+                 f"checkpoint.dir={ck}", "spikes.max_consecutive_nonfinite=1", f"logging.dir={tmp_path}/run")
+    proc = run_pretrain(args, env={"FAULT_NAN_LOSS": "3", "FAULT_SLOW_SAVE": "4"})
+    assert proc.returncode == 1
+    assert "1 non-finite steps in a row" in proc.stderr
+    assert (ck / "latest").exists() and (ck / "latest").read_text().strip() == "step_00000002"
+    assert not list(ck.glob(".tmp-*"))
+    assert ("waiting for the checkpoint save of step 2 still in flight before exiting (SpikeStop)"
+            in proc.stdout)
+    assert "the checkpoint save of step 2 completed" in proc.stdout

@@ -1,8 +1,8 @@
 """Spike tracking in real training runs: injected bad batches and NaN losses, skip_step,
 rollback, and resume.
 
-Bad data comes from the fault-injection switches: ``MEGATRON_LITE_BAD_SAMPLES=A:B`` serves
-random tokens for training samples A..B-1, ``MEGATRON_LITE_NAN_LOSS=STEP:RANK`` makes one
+Bad data comes from the tests' fault injection (tests/faults.py): ``FAULT_BAD_SAMPLES=A:B`` serves
+random tokens for training samples A..B-1, ``FAULT_NAN_LOSS=STEP:RANK`` makes one
 rank's loss NaN at one step. Step ``s`` (1-based) reads samples ``[(s-1)·8, s·8)`` until a
 rollback moves the data position.
 """
@@ -40,7 +40,7 @@ def _args(tmp, *extra):
 
 
 def _bad(step: int, steps: int = 1) -> dict[str, str]:
-    return {"MEGATRON_LITE_BAD_SAMPLES": f"{(step - 1) * GB}:{(step - 1 + steps) * GB}"}
+    return {"FAULT_BAD_SAMPLES": f"{(step - 1) * GB}:{(step - 1 + steps) * GB}"}
 
 
 def _events(run_dir) -> list[dict]:
@@ -127,7 +127,7 @@ def test_nan_on_one_rank_is_skipped_by_both(tmp_path, zero, precision):
     args = _args(tmp_path, "training.iters=4", f"parallel.zero_stage={zero}", f"checkpoint.dir={ck}",
                  "checkpoint.save_interval=1", f"logging.dir={tmp_path}/run",
                  f"training.precision={precision}")
-    check(run_pretrain(args, nproc=2, env={"MEGATRON_LITE_NAN_LOSS": "3:1"}))
+    check(run_pretrain(args, nproc=2, env={"FAULT_NAN_LOSS": "3:1"}))
     (event,) = _events(tmp_path / "run")
     assert event["event"] == "nonfinite" and event["step"] == 3 and event["action"] == "skip"
     _assert_update_skipped(ck, 3)  # both ranks' files: both ranks skipped
@@ -191,7 +191,7 @@ def test_rollbacks_exhausted_stop_the_run(tmp_path):
 def test_resumed_run_writes_the_same_spike_log(tmp_path):
     # Spikes at steps 41 and 48; the checkpoint at 45; killed once the spike at 48 is logged.
     bad = [40, 47]
-    env = {"MEGATRON_LITE_BAD_SAMPLES": ",".join(f"{s * GB}:{(s + 1) * GB}" for s in bad)}
+    env = {"FAULT_BAD_SAMPLES": ",".join(f"{s * GB}:{(s + 1) * GB}" for s in bad)}
     common = ["training.iters=50", "checkpoint.save_interval=45"]
     full = _args(tmp_path, *common, f"checkpoint.dir={tmp_path}/ck-full", f"logging.dir={tmp_path}/full")
     check(run_pretrain(full, env=env))

@@ -117,3 +117,51 @@ def test_a_replaced_copy_whose_replacement_never_arrived_is_put_back(tmp_path):
     path.rename(tmp_path / ".old-step_00000003")  # crashed between the two renames of a re-save
     assert store.remove_stale(tmp_path) == []
     store.verify(path, store.read_manifest(path))
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from megatron_lite.checkpoint import store
+lock, _ = store.claim(Path(sys.argv[1]), fresh=False)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_run_on_a_live_runs_directory_is_refused_and_deletes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import cpu_env
+
+    live = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=cpu_env(),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "locked"
+        in_flight = tmp_path / ".tmp-step_00000007"  # the live run's save in progress
+        in_flight.mkdir()
+        with pytest.raises(CheckpointError, match=f"in use by another run \\(host .*, pid {live.pid}, since"):
+            store.claim(tmp_path, fresh=False)
+        assert in_flight.is_dir()
+    finally:
+        live.kill()
+        live.wait()
+    # The kernel drops the lock with the process: no stale lock after a crash.
+    lock, warning = store.claim(tmp_path, fresh=False)
+    assert lock is not None and warning is None
+    lock.close()
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    lock, _ = store.claim(tmp_path, fresh=True)  # empty: fine
+    lock.close()
+    (tmp_path / ".tmp-step_00000002").mkdir()  # an uncommitted save is not a checkpoint
+    lock, _ = store.claim(tmp_path, fresh=True)
+    lock.close()
+    _save(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="holds another run's checkpoints \\(newest: step_00000003\\)"):
+        store.claim(tmp_path, fresh=True)
+    assert (tmp_path / "latest").read_text() == "step_00000003\n"
+    lock, _ = store.claim(tmp_path, fresh=False)  # resuming it is fine
+    lock.close()

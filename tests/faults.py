@@ -1,0 +1,172 @@
+"""Fault injection for the tests, by wrapping the project's own functions in test processes.
+
+Loaded by ``tests/dist_harness/sitecustomize.py`` (on the PYTHONPATH of every process the tests
+start, never on a real run's), so nothing here can alter a real run. Each variable wraps one
+function right after its module is imported:
+
+- ``FAULT_BAD_SAMPLES=START:END[,START:END...]``: training samples START..END-1 (global
+  indices, as ``spikes.jsonl`` names them) are uniformly random tokens, as from a corrupt shard.
+- ``FAULT_NAN_LOSS=STEP[:RANK]``: the first micro-batch loss of step STEP is NaN on RANK (every
+  rank without it).
+- ``FAULT_KILL_AT=after_rank_file[:RANK]`` or ``before_latest``: the process kills itself
+  (SIGKILL) at every save, after its rank file is written (commit not done), or after the
+  commit but before ``latest`` moves.
+- ``FAULT_SLOW_SAVE=SECONDS``: every rank file is written SECONDS late (a slow filesystem;
+  keeps a background save in flight).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+Hook = Callable[[object], None]
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``hooks[name](module)`` right after module ``name`` is executed."""
+
+    def __init__(self, hooks: dict[str, list[Hook]]):
+        self.hooks = hooks
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.hooks:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        execute = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            execute(module)
+            for hook in self.hooks[name]:
+                hook(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _ranges(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+
+
+def _bad_samples(run) -> None:
+    import torch
+
+    ranges = _ranges(os.environ["FAULT_BAD_SAMPLES"])
+
+    class NoisySamples(torch.utils.data.Dataset):
+        def __init__(self, dataset, vocab_size: int):
+            self.dataset, self.vocab_size = dataset, vocab_size
+
+        def __len__(self) -> int:
+            return len(self.dataset)
+
+        def __getitem__(self, i: int):
+            sample = self.dataset[i]
+            if not any(start <= i < end for start, end in ranges):
+                return sample
+            g = torch.Generator().manual_seed(i)
+            return torch.randint(0, self.vocab_size, sample.shape, generator=g, dtype=sample.dtype)
+
+        def locate(self, i: int) -> dict:
+            return self.dataset.locate(i)
+
+    build_data = run.build_data
+
+    @functools.wraps(build_data)
+    def noisy_build_data(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        if data is not None and getattr(data, "train", None) is not None:
+            data.train = NoisySamples(data.train, data.tokenizer.vocab_size)
+        return data
+
+    run.build_data = noisy_build_data
+
+
+def _nan_loss(trainer_module) -> None:
+    wanted, _, only = os.environ["FAULT_NAN_LOSS"].partition(":")
+    trainer = trainer_module.Trainer
+    train_step = trainer.train_step
+
+    @functools.wraps(train_step)
+    def train_step_with_nan(self, batches):
+        step = self.state.step + 1
+        if step != int(wanted) or (only and int(only) != self.dims.rank) or self.steps.pipelined:
+            return train_step(self, batches)
+        engine, calls = self.engine, []
+        forward = engine.forward
+
+        def first_loss_nan(*args, **kwargs):
+            loss = forward(*args, **kwargs)
+            calls.append(1)
+            return loss * float("nan") if len(calls) == 1 else loss
+
+        engine.forward = first_loss_nan
+        try:
+            return train_step(self, batches)
+        finally:
+            del engine.forward
+
+    trainer.train_step = train_step_with_nan
+
+
+def _kill_at(store) -> None:
+    wanted = os.environ["FAULT_KILL_AT"]
+    write_rank_bytes, write_bytes_durably = store.write_rank_bytes, store.write_bytes_durably
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @functools.wraps(write_rank_bytes)
+    def write_then_die(directory, rank, data):
+        entry = write_rank_bytes(directory, rank, data)
+        if wanted in ("after_rank_file", f"after_rank_file:{rank}"):
+            die()
+        return entry
+
+    @functools.wraps(write_bytes_durably)
+    def die_before_latest(path: Path, data: bytes):
+        if wanted == "before_latest" and path.name == store.LATEST:
+            die()
+        return write_bytes_durably(path, data)
+
+    store.write_rank_bytes, store.write_bytes_durably = write_then_die, die_before_latest
+
+
+def _slow_save(store) -> None:
+    seconds = float(os.environ["FAULT_SLOW_SAVE"])
+    write_rank_bytes = store.write_rank_bytes
+
+    @functools.wraps(write_rank_bytes)
+    def slow_write(directory, rank, data):
+        time.sleep(seconds)
+        return write_rank_bytes(directory, rank, data)
+
+    store.write_rank_bytes = slow_write
+
+
+FAULTS: dict[str, tuple[str, Hook]] = {
+    "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
+    "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
+    "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
+    "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
+}
+
+
+def install() -> None:
+    hooks: dict[str, list[Hook]] = {}
+    for variable, (module, hook) in FAULTS.items():
+        if os.environ.get(variable):
+            hooks.setdefault(module, []).append(hook)
+    if hooks:
+        sys.meta_path.insert(0, _AfterImport(hooks))
