@@ -13,6 +13,7 @@ function right after its module is imported:
   commit but before ``latest`` moves.
 - ``FAULT_SLOW_SAVE=SECONDS``: every rank file is written SECONDS late (a slow filesystem;
   keeps a background save in flight).
+- ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
 """
 
 from __future__ import annotations
@@ -155,11 +156,19 @@ def _slow_save(store) -> None:
     store.write_rank_bytes = slow_write
 
 
+def _sample_error(trainer_module) -> None:
+    def broken_sample(*args, **kwargs):
+        raise IndexError("list index out of range (injected)")
+
+    trainer_module.sample = broken_sample
+
+
 FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
     "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
+    "FAULT_SAMPLE_ERROR": ("megatron_lite.training.trainer", _sample_error),
 }
 
 

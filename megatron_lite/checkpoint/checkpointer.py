@@ -40,8 +40,11 @@ ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "f
 
 
 def architecture(cfg: ModelConfig) -> dict:
-    """The ``ARCHITECTURE`` fields of ``cfg``, resolved (defaults that derive a size filled in)."""
+    """The ``ARCHITECTURE`` fields of ``cfg``, resolved (defaults that derive a size filled in).
+    ``vocab_size`` is the tokenizer's: the padding differs per tensor-parallel size and its rows
+    are zero, so a checkpoint moves between sizes exactly."""
     out = {k: getattr(cfg, k) for k in ARCHITECTURE}
+    out["vocab_size"] = cfg.tokenizer_vocab_size or cfg.vocab_size
     out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
     out["ffn_hidden"] = ffn_hidden_size(cfg)
     return out

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -163,7 +164,20 @@ class Assembler:
         return full
 
 
+def _fit_vocabulary(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """A vocabulary parameter saved with another padding (another tensor-parallel size): drop or
+    add padding rows, which are zero (the tokenizer's rows match: the manifest says so)."""
+    shape = getattr(p, "ml_full_shape", None) or tuple(getattr(p, "ds_shape", p.shape))
+    if p.ml_name not in VOCAB_PARAMETERS or tuple(full.shape) == tuple(shape):
+        return full
+    rows = shape[0]
+    if full.shape[0] > rows:
+        return full[:rows]
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+
+
 def _local_slice(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    full = _fit_vocabulary(p, full)
     shard = getattr(p, "ml_shard", None)
     if shard is None:
         return full

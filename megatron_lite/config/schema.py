@@ -71,6 +71,11 @@ class ModelConfig:
     """Vocabulary size; null takes the tokenizer's, then pads it to ``vocab_multiple``."""
     vocab_multiple: int = 128
     """Pad the vocabulary to a multiple of this (1 keeps it as is)."""
+    tokenizer_vocab_size: Optional[int] = None
+    """Ids the tokenizer can produce. Rows of the embedding and output layer past it (the
+    padding up to ``vocab_size``) start at zero and are masked out of the loss, evaluation and
+    sampling, so every tensor-parallel size (each pads differently) computes the same function.
+    Null: the tokenizer's (all of ``vocab_size`` without a tokenizer)."""
     n_layers: int = 12
     """Transformer blocks."""
     n_heads: int = 12

@@ -20,13 +20,18 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
 
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int,
                   tensor_parallel: int = 1) -> ModelConfig:
-    """Fill the fields a recipe may leave to the data: vocab size (padded) and maximum length."""
+    """Fill the fields a recipe may leave to the data: vocab size (padded), the tokenizer's
+    vocabulary (the rows that are not padding) and maximum length."""
     vocab = cfg.vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
             raise ValueError("'model.vocab_size' is null and no tokenizer gives one")
         vocab = padded_vocab_size(tokenizer_vocab, cfg.vocab_multiple * tensor_parallel)
-    return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_length)
+    used = cfg.tokenizer_vocab_size or tokenizer_vocab or vocab
+    if used > vocab:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
+    return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
+                               max_seq_len=cfg.max_seq_len or seq_length)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

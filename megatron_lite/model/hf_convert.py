@@ -8,13 +8,14 @@ q/k weights copy without permutation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.model.transformer import ffn_hidden_size
+from megatron_lite.model.transformer import VOCAB_PARAMETERS, ffn_hidden_size
 
 StateDict = dict[str, torch.Tensor]
 
@@ -146,6 +147,10 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
     """A transformers config and state dict for our model (Llama-style or GPT-2-style)."""
     from transformers import GPT2Config, LlamaConfig
 
+    used = cfg.tokenizer_vocab_size or cfg.vocab_size
+    if used < cfg.vocab_size:  # the padding rows are ours alone
+        sd = {k: v[:used] if k in VOCAB_PARAMETERS else v for k, v in sd.items()}
+        cfg = dataclasses.replace(cfg, vocab_size=used)
     if cfg.position == "learned":
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
                             n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),

@@ -20,6 +20,9 @@ from torch.utils.checkpoint import checkpoint
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.loss import linear_cross_entropy
 
+VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
+"""Parameters with one row per vocabulary id (rows past ``tokenizer_vocab_size`` are padding)."""
+
 
 def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
                   device: torch.device | str = "cpu") -> torch.Tensor:
@@ -27,8 +30,14 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ..
 
     GPT-2/Megatron init: N(0, init_std) for weights, the output projections of the residual
     branches N(0, init_std/sqrt(2·n_layers)) so the residual stream's variance does not grow with
-    depth, norms 1, biases 0. Drawn from a generator seeded by (seed, name) alone.
+    depth, norms 1, biases 0. Drawn from a generator seeded by (seed, name) alone; padding rows
+    of the vocabulary are zero, so the real rows are the same however far the vocabulary is
+    padded.
     """
+    used = cfg.tokenizer_vocab_size or shape[0]
+    if name in VOCAB_PARAMETERS and used < shape[0]:
+        real = initial_value(cfg, name, (used, *shape[1:]), seed, device)
+        return torch.cat([real, real.new_zeros(shape[0] - used, *shape[1:])])
     if name.endswith("bias"):
         return torch.zeros(shape, device=device)
     if "norm." in name:
@@ -172,20 +181,23 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Output layer: (B, T, D) hidden states -> (B, T, V) logits, or with targets the mean
-    next-token loss, fused with the output matmul so the full logits never exist."""
+    """Output layer: (B, T, D) hidden states -> (B, T, V) logits over the tokenizer's ``used``
+    ids (padding rows of the weight take no part), or with targets the mean next-token loss,
+    fused with the output matmul so the full logits never exist."""
 
-    def __init__(self, d_model: int, vocab_size: int):
+    def __init__(self, d_model: int, vocab_size: int, used: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.used = used or vocab_size
         # (h (N, D), weight (V, D), targets (N,)) -> mean loss. The parallelize steps may put a
         # compiled or a library kernel here (parallel/apply.py).
         self.loss_fn = linear_cross_entropy
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight[:self.used]  # (V, D) without the padding rows
         if targets is None:
-            return F.linear(x, self.weight)  # (B, T, V)
-        return self.loss_fn(x.reshape(-1, x.size(-1)), self.weight, targets.reshape(-1))
+            return F.linear(x, weight)  # (B, T, V)
+        return self.loss_fn(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
 
 
 class Transformer(nn.Module):
@@ -201,7 +213,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg)
-        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.tokenizer_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.position == "rope":

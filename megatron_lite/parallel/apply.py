@@ -32,6 +32,7 @@ from megatron_lite.model.transformer import (
     initial_value,
 )
 from megatron_lite.parallel import comm
+from megatron_lite.parallel.deepspeed_versions import ulysses_head_problems
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -90,6 +91,10 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
                 if bias is not None:
                     comm.sum_gradient_over(bias, group)
     if dims.ulysses > 1:
+        problems = ulysses_head_problems(block.attn.n_heads, block.attn.n_kv_heads, dims.ulysses,
+                                         dims.tensor)
+        if problems:
+            raise ValueError("; ".join(problems))
         block.attn.core = UlyssesAttention(block.attn.core, dims.group("ulysses"))
 
 
@@ -113,7 +118,7 @@ def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Param
         if weight is None:
             weight = slice_of(owner.lm_head.weight, 0, dims.tp_rank, dims.tensor)
         owner.lm_head = VocabParallelLMHead(weight, dims.tp_rank, dims.group("tensor"),
-                                            dims.sequence_parallel)
+                                            dims.sequence_parallel, owner.lm_head.used)
         if dims.sequence_parallel:
             sum_grads_over_tensor_ranks(owner.norm, dims)
     if dims.ulysses > 1:

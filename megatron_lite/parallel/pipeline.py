@@ -103,7 +103,8 @@ class HeadStage(_Stage):
         super().__init__()
         with torch.device("meta"):
             self.norm = make_norm(cfg)
-            self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size)
+            self.lm_head = (None if cfg.tie_embeddings
+                            else LMHead(cfg.d_model, cfg.vocab_size, cfg.tokenizer_vocab_size))
         tag_names(self)
         self.dims = dims
         if self.lm_head is not None:
@@ -129,17 +130,19 @@ def output_logits(x: torch.Tensor, weight: torch.Tensor, dims: ParallelDims) -> 
 
 
 class PipelineLoss:
-    """Mean next-token loss of the last stage's logits (vocabulary-parallel under TP)."""
+    """Mean next-token loss of the last stage's logits (vocabulary-parallel under TP) over the
+    tokenizer's ``used`` ids (padding columns take no part)."""
 
-    def __init__(self, dims: ParallelDims, vocab_size: int):
-        self.dims = dims
+    def __init__(self, dims: ParallelDims, vocab_size: int, used: int):
+        self.dims, self.used = dims, used
         self.start = dims.tp_rank * (vocab_size // dims.tensor)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         if self.dims.tensor == 1:
-            return F.cross_entropy(logits.float(), targets)
-        return vocab_parallel_cross_entropy(logits, targets, self.dims.group("tensor"), self.start).mean()
+            return F.cross_entropy(logits[:, :self.used].float(), targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.dims.group("tensor"), self.start,
+                                            self.used).mean()
 
 
 def build_pipeline(cfg: ModelConfig, dims: ParallelDims, device, seed: int, partition: str):
@@ -158,5 +161,5 @@ def build_pipeline(cfg: ModelConfig, dims: ParallelDims, device, seed: int, part
                                     tied_weight_attr="weight"))
     topology = PipeModelDataParallelTopology(num_pp=dims.pipeline, num_mp=dims.tensor, num_dp=dims.data)
     method = "type:BlockStage" if partition == "type:Block" else partition
-    return PipelineModule(layers=layers, topology=topology, loss_fn=PipelineLoss(dims, cfg.vocab_size),
-                          partition_method=method)
+    loss = PipelineLoss(dims, cfg.vocab_size, cfg.tokenizer_vocab_size)
+    return PipelineModule(layers=layers, topology=topology, loss_fn=loss, partition_method=method)

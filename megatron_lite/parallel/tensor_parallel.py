@@ -7,6 +7,8 @@ The linears do no communication themselves: a sub-layer (attention, MLP) is wrap
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,16 +102,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits split along the vocabulary: (N, V/tp) on each rank.
 
     Two small all-reduces (the row maxima; the target logits with the sums of exponentials)
-    replace the gather of the full (N, V) logits."""
+    replace the gather of the full (N, V) logits. Columns from ``real`` on (the vocabulary's
+    padding on the last ranks) are masked out: exp gives 0, so they take no part in the softmax
+    and get no gradient."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, start: int):
+    def forward(ctx, logits, targets, group, start: int, real: int):
         logits = logits.float()
         vocab_local = logits.shape[-1]
         rows = torch.arange(logits.shape[0], device=logits.device)
-        row_max = logits.max(dim=-1).values
+        if real > 0:
+            row_max = logits[:, :real].max(dim=-1).values
+        else:  # a rank holding only padding
+            row_max = logits.new_full(logits.shape[:1], -math.inf)
         collectives.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(1)
+        if real < vocab_local:
+            shifted[:, real:] = -math.inf
         local = targets - start
         owned = (local >= 0) & (local < vocab_local)
         local = local.clamp(0, vocab_local - 1)
@@ -128,31 +137,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax  # d loss_i / d logits_i = softmax_i - onehot(target_i)
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local] -= owned.to(grad.dtype)
-        return grad.mul_(grad_out.unsqueeze(1)), None, None, None
+        return grad.mul_(grad_out.unsqueeze(1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
-                                 vocab_start: int) -> torch.Tensor:
+                                 vocab_start: int, used: int | None = None) -> torch.Tensor:
     """Per-token losses (N,) from this rank's logits (N, V/tp) for vocabulary ids
-    ``[vocab_start, vocab_start + V/tp)``; equals ``F.cross_entropy`` on the gathered logits."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start)
+    ``[vocab_start, vocab_start + V/tp)``; equals ``F.cross_entropy`` on the gathered logits
+    of the ids below ``used`` (the tokenizer's; default: all)."""
+    vocab_local = logits.shape[-1]
+    real = vocab_local if used is None else min(max(used - vocab_start, 0), vocab_local)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real)
 
 
 class VocabParallelLMHead(nn.Module):
     """Output layer with the vocabulary split over the ranks: the loss is computed from each
-    rank's logit slice; without targets the logits are gathered (generation)."""
+    rank's logit slice; without targets the logits are gathered (generation). ``used``: the
+    tokenizer's ids (the rest is padding, masked out); None: all."""
 
-    def __init__(self, weight: nn.Parameter, rank: int, group, sequence_parallel: bool):
+    def __init__(self, weight: nn.Parameter, rank: int, group, sequence_parallel: bool,
+                 used: int | None = None):
         super().__init__()
         self.weight = weight
         self.start = rank * weight.shape[0]
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.used = group, sequence_parallel, used
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = comm.enter_region(x, self.group, self.sequence_parallel)  # (B, T, D)
         logits = F.linear(x, self.weight)  # (B, T, V/tp)
         if targets is None:
-            return comm.gather_last_dim(logits, self.group)  # (B, T, V)
+            return comm.gather_last_dim(logits, self.group)[..., :self.used]  # (B, T, V) real ids
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                              self.group, self.start)
+                                              self.group, self.start, self.used)
         return losses.mean()

@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
 from megatron_lite.training.optimizer import build_optimizer
 from megatron_lite.training.schedule import lr_at
 
@@ -79,9 +80,11 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         config=deepspeed_config(cfg, dims), dist_init_required=False)
     if dims.pipeline > 1 and zero_stage(cfg) == 0:
         _keep_clipped_norm(engine)
-    if dims.pipeline == 1 and zero_stage(cfg) == 0 and dims.data == 1 and dims.ulysses == 1:
+    if (dims.pipeline == 1 and zero_stage(cfg) == 0 and dims.data == 1 and dims.ulysses == 1
+            and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
         # group of one: skip its flatten / all-reduce / unflatten of every gradient per step.
+        # (Older DeepSpeed also stops averaging over accumulation steps then: see there.)
         engine.enable_backward_allreduce = False
     return engine
 

@@ -89,9 +89,9 @@ def run(cfg: Config) -> RunResult:
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False), dims, "opening the dataset")
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
-    if model_cfg.vocab_size < data.tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{data.tokenizer.vocab_size}")
+    if model_cfg.tokenizer_vocab_size < data.tokenizer.vocab_size:
+        raise ValueError(f"model.tokenizer_vocab_size={model_cfg.tokenizer_vocab_size} is smaller than "
+                         f"the tokenizer's {data.tokenizer.vocab_size}; leave it null")
 
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,

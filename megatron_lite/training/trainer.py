@@ -190,7 +190,12 @@ class Trainer:
 
     def _eval_and_sample(self) -> tuple[float, str | None]:
         val = self.evaluate()
-        text = self.generate_sample()
+        try:
+            text = self.generate_sample()
+        except Exception as e:  # a sample is for reading; it never fails a run
+            text = None
+            self.log(f"warning: sampling at step {self.state.step} failed ({type(e).__name__}: "
+                     f"{first_line(e)}); training goes on")
         record = {"step": self.state.step, "val_loss": val,
                   "val_ppl": math.exp(min(val, 50.0)), "consumed_samples": self.state.consumed_samples}
         self.logger.log(record)

@@ -26,7 +26,10 @@ from megatron_lite.training.step import StepRunner
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
-COMMON = ["model.n_layers=4", "model.n_heads=4", "model.d_model=64", "model.vocab_size=96",
+# 95 ids, padded to 95 rows by one process and to 96 by two tensor ranks: every layout must mask
+# the padding to compute the one-process function.
+VOCAB = 95
+COMMON = ["model.n_layers=4", "model.n_heads=4", "model.d_model=64", "model.vocab_multiple=1",
           "data.seq_length=32", "training.micro_batch_size=2", "training.global_batch_size=8",
           "training.iters=5", "schedule.warmup_iters=0", "optimizer.lr=1e-3", "optimizer.grad_clip=0.5",
           # Adam divides by sqrt(v) + eps: with the default 1e-8, gradients that are sums of
@@ -36,8 +39,10 @@ VARIANTS = {
     # GPT-2 style: learned positions, LayerNorm, GELU, biases, tied embeddings.
     "gpt": [],
     # Llama style: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied, recomputed activations.
+    # 8 query and 4 key/value heads: 2 of each per rank of Ulysses 2, as DeepSpeed < 0.18.3 needs.
     "llama": ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
-              "model.tie_embeddings=false", "model.n_kv_heads=2", "model.activation_checkpointing=true"],
+              "model.tie_embeddings=false", "model.n_heads=8", "model.n_kv_heads=4",
+              "model.activation_checkpointing=true"],
 }
 
 
@@ -45,14 +50,14 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
     dims, acc = init_distributed(cfg, detect())
     device = torch.device(acc.current_device_name())
-    model_cfg = resolve_model(cfg.model, None, cfg.data.seq_length, dims.tensor)
+    model_cfg = resolve_model(cfg.model, VOCAB, cfg.data.seq_length, dims.tensor)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))
     model = build_parallel_model(model_cfg, dims, device, cfg.training.seed, cfg.parallel.pipeline_partition)
     engine = build_engine(model, cfg, dims, STEPS, acc.device_name())
     runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
 
     gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 96, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)
+    data = torch.randint(0, VOCAB, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)
     sampler = GlobalBatchSampler(0, dims.global_batch(cfg), cfg.training.micro_batch_size,
                                  dims.dp_rank, dims.data)
     batches = (data[idx] for idx in sampler)

@@ -102,8 +102,11 @@ from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model
+from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
+from megatron_lite.training import engine as engine_module
 from megatron_lite.training.engine import build_engine
 from megatron_lite.training.step import StepRunner
+from packaging.version import Version
 
 cfg = load_config("recipes/shakespeare-char.yaml", ["model.n_layers=2", "model.d_model=64",
                   "model.n_heads=2", "model.vocab_size=66", "training.micro_batch_size=2",
@@ -115,7 +118,9 @@ for allreduce in (False, True):
     torch.manual_seed(0)
     model = build_parallel_model(resolve_model(cfg.model, None, 32, 1), dims, "cpu", 1234, "parameters")
     engine = build_engine(model, cfg, dims, 3, "cpu")
-    assert engine.enable_backward_allreduce is False  # the shortcut build_engine takes for one rank
+    # The shortcut build_engine takes for one rank, where DeepSpeed still averages over the
+    # accumulation steps (2 here) without its all-reduce.
+    assert engine.enable_backward_allreduce is (deepspeed_version() < GAS_SCALING_ALWAYS)
     engine.enable_backward_allreduce = allreduce
     runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
     batches = iter(data.split(2))
@@ -124,6 +129,9 @@ for allreduce in (False, True):
     weights.append([p.detach().clone() for p in engine.module.parameters()])
 for a, b in zip(*weights, strict=True):
     assert torch.equal(a, b)
+engine_module.deepspeed_version = lambda: Version("0.16.1+hpu")  # Habana's fork: declined
+model = build_parallel_model(resolve_model(cfg.model, None, 32, 1), dims, "cpu", 1234, "parameters")
+assert build_engine(model, cfg, dims, 3, "cpu").enable_backward_allreduce is True
 print("equal")
 """
 

@@ -51,10 +51,13 @@ def test_shakespeare_char_learns(tmp_path):
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert (run / "config.yaml").is_file() and list(run.glob("events.out.tfevents.*"))
     assert "final validation loss" in proc.stdout and "sample at step 200" in proc.stdout
-    # The dataset was built once and is reused.
+    # The dataset was built once and is reused; a failing end-of-run sample does not fail the run.
     again = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=2",
-                                f"logging.dir={tmp_path}/run2", "training.sample_tokens=0"]))
+                                f"logging.dir={tmp_path}/run2", "training.sample_tokens=4"],
+                               env={"FAULT_SAMPLE_ERROR": "1"}))
     assert "building dataset" in proc.stdout and "building dataset" not in again.stdout
+    assert ("warning: sampling at step 2 failed (IndexError: list index out of range (injected))"
+            in again.stdout)
 
 
 def test_llama_quickstart_recipe_with_wandb_offline_and_resume(tmp_path, sp_data):

@@ -64,3 +64,17 @@ def test_gaudi_recipe_sets_zero3_as_intels_workflow_does():
     assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": False, "contiguous_gradients": False,
                                        "reduce_scatter": False}
     assert ds["bf16"]["enabled"] and cfg.training.device == "hpu" and cfg.training.hpu_mode == "lazy"
+
+
+def test_ulysses_head_counts_older_deepspeed_cannot_run_are_named(monkeypatch):
+    from packaging.version import Version
+
+    from megatron_lite.parallel import deepspeed_versions
+
+    monkeypatch.setattr(deepspeed_versions, "deepspeed_version", lambda: Version("0.16.1+hpu"))
+    (problem,) = deepspeed_versions.ulysses_head_problems(4, 2, 2)
+    assert problem.startswith("model.n_kv_heads=2 leaves 1 head(s) per rank under parallel.tensor=1 × "
+                              "parallel.ulysses=2; DeepSpeed 0.16.1+hpu needs a multiple of 2 there")
+    assert deepspeed_versions.ulysses_head_problems(8, 4, 2) == []
+    monkeypatch.setattr(deepspeed_versions, "deepspeed_version", lambda: Version("0.18.3"))
+    assert deepspeed_versions.ulysses_head_problems(4, 2, 2) == []

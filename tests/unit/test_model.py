@@ -121,3 +121,30 @@ def test_mfu_by_hand():
     assert mfu(150_000, fpt, None) is None  # CPUs: no peak, no MFU
     # Recompute is not model FLOPs: checkpointing leaves the count unchanged.
     assert flops_per_token(dataclasses.replace(cfg, activation_checkpointing=True), T) == fpt
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_vocabulary_padding_is_not_part_of_the_model(tie):
+    """The same 65-id model padded to 65 and to 72 rows: equal initial rows, zero padding,
+    the same logits (over the 65 ids only) and loss, and no gradient into the padding."""
+    base = dict(n_layers=2, n_heads=4, d_model=32, max_seq_len=16, tie_embeddings=tie, vocab_multiple=1)
+    plain = build_model(resolve_model(ModelConfig(**base), 65, 16))
+    padded_cfg = resolve_model(dataclasses.replace(ModelConfig(**base), vocab_multiple=8), 65, 16)
+    assert (padded_cfg.vocab_size, padded_cfg.tokenizer_vocab_size) == (72, 65)
+    padded = build_model(padded_cfg)
+    for p, q in [(plain.tok_emb.weight, padded.tok_emb.weight),
+                 (plain.lm_head.weight, padded.lm_head.weight)]:
+        torch.testing.assert_close(q[:65], p, rtol=0, atol=0)
+        assert not q[65:].any()
+    tokens = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert padded(tokens).shape == (2, 16, 65)
+    torch.testing.assert_close(padded(tokens), plain(tokens))
+    loss = padded(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss, plain(tokens[:, :-1], tokens[:, 1:]))
+    loss.backward()
+    assert not padded.lm_head.weight.grad[65:].any() and not padded.tok_emb.weight.grad[65:].any()
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="model.vocab_size=64 is smaller than the tokenizer's vocabulary"):
+        resolve_model(ModelConfig(vocab_size=64), 65, 16)

@@ -1,0 +1,40 @@
+"""What differs between the DeepSpeed releases this project supports (setup.py's range), in one
+place. Every entry names the release that changed the behaviour and where it matters; the
+suite's DeepSpeed-facing tests run against the lowest supported release (docs/hardware.md)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from packaging.version import Version
+
+# From 0.18.3 the engine divides the loss by the gradient-accumulation steps in every backward;
+# before, only while its backward all-reduce is enabled (engine.backward), so switching that
+# all-reduce off for a one-rank group would leave the gradients summed, not averaged.
+GAS_SCALING_ALWAYS = Version("0.18.3")
+
+# From 0.18.3 DeepSpeed-Ulysses's all-to-all takes the even path when gathering the heads back;
+# before, a per-rank head count not divisible by the sequence-parallel size (e.g. the key/value
+# gradients under grouped-query attention) took the uneven path, which asserts more heads than
+# ranks.
+ULYSSES_ANY_LOCAL_HEADS = Version("0.18.3")
+
+
+def deepspeed_version() -> Version:
+    """The installed release (a vendor fork's local label, e.g. ``0.16.1+hpu``, is kept)."""
+    return Version(importlib.metadata.version("deepspeed"))
+
+
+def ulysses_head_problems(n_heads: int, n_kv_heads: int, ulysses: int, tensor: int = 1) -> list[str]:
+    """Why this DeepSpeed cannot run Ulysses over these heads (empty when it can)."""
+    if ulysses <= 1 or deepspeed_version() >= ULYSSES_ANY_LOCAL_HEADS:
+        return []
+    problems = []
+    for what, heads in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
+        local = heads // tensor // ulysses
+        if local % ulysses:
+            problems.append(f"{what}={heads} leaves {local} head(s) per rank under parallel.tensor="
+                            f"{tensor} × parallel.ulysses={ulysses}; DeepSpeed {deepspeed_version()} "
+                            f"needs a multiple of {ulysses} there (DeepSpeed >= {ULYSSES_ANY_LOCAL_HEADS} "
+                            "does not)")
+    return problems
