@@ -14,10 +14,13 @@ function right after its module is imported:
 - ``FAULT_SLOW_SAVE=SECONDS``: every rank file is written SECONDS late (a slow filesystem;
   keeps a background save in flight).
 - ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
+- ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
+  full disk under the run directory, rank 0's alone).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.abc
 import importlib.util
@@ -163,6 +166,43 @@ def _sample_error(trainer_module) -> None:
     trainer_module.sample = broken_sample
 
 
+def _no_space(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class _FullDiskFile:
+    """A file object whose writes fail as on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    write = flush = staticmethod(_no_space)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _metrics_enospc(metrics) -> None:
+    init = metrics.MetricsLogger.__init__
+
+    @functools.wraps(init)
+    def init_then_fill_the_disk(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self._jsonl is not None:
+            self._jsonl = _FullDiskFile(self._jsonl)
+
+    metrics.MetricsLogger.__init__ = init_then_fill_the_disk
+
+
+def _spikes_enospc(tracker) -> None:
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if "a" in mode or "w" in mode:
+            _no_space()
+        return open(path, mode, *args, **kwargs)
+
+    tracker.open = open_on_a_full_disk  # the module's name for the builtin
+
+
 FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
     "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
@@ -170,11 +210,15 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.trainer", _sample_error),
 }
+LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),
+                                   ("megatron_lite.spikes.tracker", _spikes_enospc)]}
 
 
 def install() -> None:
     hooks: dict[str, list[Hook]] = {}
-    for variable, (module, hook) in FAULTS.items():
+    wanted = [(v, m, h) for v, (m, h) in FAULTS.items()]
+    wanted += [(v, m, h) for v, pairs in LOG_FAULTS.items() for m, h in pairs]
+    for variable, module, hook in wanted:
         if os.environ.get(variable):
             hooks.setdefault(module, []).append(hook)
     if hooks:

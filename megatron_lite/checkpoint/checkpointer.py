@@ -50,6 +50,13 @@ def architecture(cfg: ModelConfig) -> dict:
     return out
 
 
+def _numpy_rng_state() -> tuple:
+    """numpy's global RNG state in plain types (the key as a tensor): what the weights-only
+    loader reads without allow-listing numpy."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    return name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
 def _adam_step(engine) -> float:
     for state in torch_optimizer(engine).state.values():
         if "step" in state:
@@ -110,7 +117,7 @@ class Checkpointer:
         state = {
             "rank": self.dims.rank,
             "fragments": [f.to_dict() for f in local_fragments(self.engine, self.dims)],
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+            "rng": {"python": random.getstate(), "numpy": _numpy_rng_state(),
                     "torch": torch.get_rng_state(),
                     "device": self.acc.get_rng_state() if self.acc.device_name() != "cpu" else None},
         }
@@ -209,10 +216,15 @@ class Checkpointer:
         sizes = all_gather_object((len(data), error_text), dims, "the checkpoint sizes", group)
         failed = [err for _, err in sizes if err]
         if not failed and rank == 0 and self.cfg.checkpoint.check_free_space:
-            need, free = sum(n for n, _ in sizes), shutil.disk_usage(tmp).free
-            if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
-                failed = [f"not enough free space in {root}: the checkpoint needs {need / 2**20:.1f} MiB, "
-                          f"{free / 2**20:.1f} MiB are free"]
+            need = sum(n for n, _ in sizes)
+            try:
+                free = shutil.disk_usage(tmp).free
+            except OSError as e:
+                failed = [f"cannot read the free space of {tmp}: {e}"]
+            else:
+                if free < need + max(need // 20, 1 << 20):  # 5% (at least 1 MiB) to spare
+                    failed = [f"not enough free space in {root}: the checkpoint needs "
+                              f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free"]
         failed = broadcast_object(failed, dims, "the checkpoint space check", group)
         if not failed:
             try:
@@ -225,9 +237,14 @@ class Checkpointer:
             try:
                 files = [{k: e[k] for k in ("name", "bytes", "sha256")} for e in entries]
                 store.commit(root, tmp, self._manifest(step, consumed_samples, files))
-                self._apply_retention(step)
-            except OSError as e:
-                failed = [f"committing: {e}"]
+            except Exception as e:  # rank 0 alone: reported on every rank by the broadcast below
+                failed = [f"committing: {type(e).__name__}: {e}"]
+            else:
+                try:
+                    self._apply_retention(step)
+                except Exception as e:  # the new checkpoint is committed: only old ones stay
+                    self.log(f"warning: retention after step {step} failed ({type(e).__name__}: {e}); "
+                             "older checkpoints are kept")
         failed = broadcast_object(failed, dims, "the checkpoint commit", group)
         if failed:
             if rank == 0:
@@ -238,7 +255,7 @@ class Checkpointer:
 
     def _apply_retention(self, newest: int) -> None:
         ck = self.cfg.checkpoint
-        dirs = {int(p.name.split("_")[1]): p for p in store.committed_steps(self.root)}
+        dirs = {store.step_of(p): p for p in store.committed_steps(self.root)}
         keep = store.retained(list(dirs), ck.keep_last, ck.keep_every, protect={newest})
         for step, path in dirs.items():
             if step not in keep:
@@ -304,7 +321,7 @@ class Checkpointer:
                         store.verify(path, manifest)
                         found = path
                         break
-                except CheckpointError as e:
+                except Exception as e:  # rank 0 alone: never leave the others in the broadcast
                     self.log(f"warning: not rolling back to {path}: {e}")
         return broadcast_object(found, self.dims, "the rollback target")
 
@@ -336,6 +353,9 @@ class Checkpointer:
                     self._check_architecture(chosen[1], chosen[0])
             except CheckpointError as e:
                 error = e
+            except Exception as e:  # rank 0 alone: reported on every rank by raise_together
+                error = CheckpointError(f"choosing the checkpoint in {self.root} failed: "
+                                        f"{type(e).__name__}: {e}")
         raise_together(error, self.dims, "choosing the checkpoint to load")
         chosen = broadcast_object(chosen, self.dims, "the checkpoint to load")
         if chosen is None:
@@ -345,8 +365,7 @@ class Checkpointer:
         error = None
         try:
             for entry in manifest["files"]:
-                states[entry["name"]] = torch.load(path / entry["name"], map_location="cpu",
-                                                   weights_only=False, mmap=True)
+                states[entry["name"]] = store.load_rank_file(path / entry["name"])
             fragments = [Fragment.from_dict(d) for s in states.values() for d in s["fragments"]]
             load_fragments(self.engine, Assembler(fragments), manifest["step"])
         except Exception as e:
@@ -368,7 +387,8 @@ class Checkpointer:
         if same_layout and own is not None and own["rng"] is not None:
             rng = own["rng"]
             random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
+            name, key, *rest = rng["numpy"]
+            np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
             torch.set_rng_state(rng["torch"])
             if rng["device"] is not None:
                 self.acc.set_rng_state(rng["device"])

@@ -14,6 +14,7 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import architecture
 from megatron_lite.checkpoint.shards import Assembler, Fragment
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 
 def resolve(path: Path) -> Path:
@@ -33,11 +34,13 @@ def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
     store.verify(path, manifest)
     fragments = []
     for entry in manifest["files"]:
-        state = torch.load(path / entry["name"], map_location="cpu", weights_only=False, mmap=True)
+        state = store.load_rank_file(path / entry["name"])
         fragments += [Fragment.from_dict(d) for d in state["fragments"]]
     assembler = Assembler(fragments)
-    weights = {name: assembler.full(name, "param") for name in sorted(assembler.names())}
     fields = dict(manifest["model"])
+    # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
+    weights = {name: assembler.full(name, "param")[:fields["vocab_size"]] if name in VOCAB_PARAMETERS
+               else assembler.full(name, "param") for name in sorted(assembler.names())}
     fields["max_seq_len"] = manifest.get("data", {}).get("seq_length") or fields.get("max_seq_len")
     return manifest, ModelConfig(**fields), weights
 

@@ -21,6 +21,8 @@ import hashlib
 import io
 import json
 import os
+import pickle
+import re
 import shutil
 import socket
 import time
@@ -71,6 +73,33 @@ def serialize(obj) -> bytes:
     return buf.getvalue()
 
 
+def _numpy_array_globals() -> list:
+    """What unpickling a numpy array needs (checkpoints of earlier versions hold numpy's RNG
+    state as one): its reconstruction function and types, no arbitrary callable."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2, numpy 1
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_rank_file(file: Path):
+    """A rank's file, read with torch's weights-only unpickler: tensors, containers, numbers and
+    strings only, so a file planted in a shared checkpoint directory cannot run code. Anything
+    else is a ``CheckpointError`` naming the file."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds objects other than tensors and plain values, which are "
+                              f"not loaded (they could run code): {_unpickling_reason(e)}") from None
+
+
+def _unpickling_reason(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines
+                else type(error).__name__)
+
+
 def write_rank_file(directory: Path, rank: int, obj) -> dict:
     """Write one rank's state; returns its manifest entry (name, bytes, sha256)."""
     return write_rank_bytes(directory, rank, serialize(obj))
@@ -103,15 +132,26 @@ def commit(root: Path, tmp: Path, manifest: dict) -> Path:
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint ``path``; any problem (missing, unreadable, corrupt, of
+    another format or shape) is a ``CheckpointError`` naming the file."""
+    file = path / MANIFEST
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(file.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no {MANIFEST} (an incomplete checkpoint)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is corrupt: {e}") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path / MANIFEST}: format {manifest.get('format')!r}, this version "
-                              f"reads format {FORMAT_VERSION}")
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+    except OSError as e:  # EACCES, EIO, ...
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{file}: format {found!r}, this version reads format {FORMAT_VERSION}")
+    files = manifest.get("files")
+    if not (isinstance(manifest.get("step"), int) and isinstance(files, list) and all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("bytes"), int)
+            and isinstance(f.get("sha256"), str) for f in files)):
+        raise CheckpointError(f"{file} is not a checkpoint manifest (no integer 'step', or 'files' "
+                              "is not a list of name/bytes/sha256 entries)")
     return manifest
 
 
@@ -121,21 +161,35 @@ def verify(path: Path, manifest: dict) -> None:
         file = path / entry["name"]
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file} is {size} bytes, the manifest says {entry['bytes']} "
-                                  "(truncated or overwritten)")
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                digest.update(block)
+        try:
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                raise CheckpointError(f"{file} is {size} bytes, the manifest says {entry['bytes']} "
+                                      "(truncated or overwritten)")
+            digest = hashlib.sha256()
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+        except OSError as e:  # EACCES, EIO, ...
+            raise CheckpointError(f"cannot read {file}: {e}") from None
         if digest.hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{file} does not match its SHA-256 in the manifest (corrupt)")
 
 
+STEP_NAME = re.compile(r"step_\d{8}")
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory's name says (``step_00001000`` -> 1000)."""
+    return int(path.name[len("step_"):])
+
+
 def committed_steps(root: Path) -> list[Path]:
-    """Committed-looking checkpoint directories, newest first."""
-    return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+    """Committed-looking checkpoint directories, newest first. Only names this module writes
+    count: a copy someone made beside them (``step_00001000.bak``, ``step_00001000-old``) is
+    neither loaded nor removed by retention."""
+    return sorted((p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()),
+                  key=lambda p: p.name, reverse=True)
 
 
 def read_latest(root: Path) -> Path | None:
@@ -148,7 +202,7 @@ def read_latest(root: Path) -> Path | None:
         name = pointer.read_text().strip()
     except UnicodeDecodeError:
         name = ""
-    if not name.startswith("step_") or "/" in name or not (root / name).is_dir():
+    if not STEP_NAME.fullmatch(name) or not (root / name).is_dir():
         raise CheckpointError(f"{pointer} does not name a checkpoint directory in {root} "
                               f"(it reads {name[:60]!r})")
     return root / name

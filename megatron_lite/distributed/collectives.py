@@ -86,16 +86,33 @@ def _host_group(dims: ParallelDims, group):
 
 def raise_together(error: BaseException | None, dims: ParallelDims, what: str = "error agreement",
                    group=None) -> None:
-    """Host, control group: every rank raises if any rank has an ``error`` (its own, or one
-    saying another rank failed), instead of the healthy ranks waiting in a later collective."""
+    """Host, control group: every rank raises if any rank has an ``error``, instead of the
+    healthy ranks waiting in a later collective. Every rank raises the same type (a failing rank
+    its own error; the others the first failing rank's type, naming that rank and its message),
+    so a caller that handles one kind of failure (``checkpoint.on_save_failure=continue``)
+    handles it on every rank alike."""
     g = _host_group(dims, group)
     if g is not None:
         failed = torch.tensor([int(error is not None)], dtype=torch.int32)
         _agree(what, lambda: dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g))
-        if failed.item() and error is None:
-            raise RuntimeError(f"another rank failed during {what} (its error is printed above)")
+        if failed.item():  # the rare path: learn who failed and how
+            mine = None if error is None else (type(error), first_line(error))
+            reports = all_gather_object(mine, dims, f"the errors during {what}", group)
+            if error is None:
+                rank, (kind, message) = next((r, x) for r, x in enumerate(reports) if x is not None)
+                raise _same_kind(kind, f"rank {rank} failed during {what}: {message}")
     if error is not None:
         raise error
+
+
+def _same_kind(kind: type, message: str) -> BaseException:
+    """An exception of ``kind`` carrying ``message`` (RuntimeError when ``kind`` cannot be
+    made from a message alone)."""
+    try:
+        made = kind(message)
+    except Exception:
+        return RuntimeError(message)
+    return made if isinstance(made, BaseException) and str(made) == message else RuntimeError(message)
 
 
 def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, what: str,

@@ -122,11 +122,15 @@ class SpikeTracker:
         if not self.is_main:
             return
         full = dict(record)
-        if with_samples and self.locate is not None:
-            start, end = record["sample_range"]
-            full["samples"] = [{"index": i, **self.locate(i)} for i in range(start, end)]
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(full) + "\n")
+        try:
+            if with_samples and self.locate is not None:
+                start, end = record["sample_range"]
+                full["samples"] = [{"index": i, **self.locate(i)} for i in range(start, end)]
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(full) + "\n")
+        except Exception as e:  # rank 0 alone: raising would leave the others waiting
+            self.log(f"warning: writing {self.path} failed ({type(e).__name__}: {e}); the tracker's "
+                     "state (skip windows, rollback count) is still saved with every checkpoint")
         if self.event_sink is not None:
             message = json.dumps({k: v for k, v in record.items() if k not in ("event", "step")})
             self.event_sink.event(record["step"], record["event"], message)
@@ -173,17 +177,28 @@ class SpikeTracker:
     def _lines(self) -> list[str]:
         if not self.path.is_file():
             return []
-        return [line for line in self.path.read_text().splitlines() if line.strip()]
+        text = self.path.read_text(encoding="utf-8", errors="replace")  # a torn last character
+        return [line for line in text.splitlines() if line.strip()]
 
     def read_log(self) -> list[dict]:
         """What ``resume`` needs of ``spikes.jsonl``, one small record per event (the event kind;
         for rollbacks their count and window) — rank 0 reads it and the trainer broadcasts it,
         without the per-sample provenance."""
         out = []
-        for line in self._lines():
-            record = json.loads(line)
-            keep = ("event", "rollbacks", "skip_samples") if record.get("event") == "rollback" else ("event",)
-            out.append({k: record[k] for k in keep})
+        lines = self._lines()
+        for n, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                rollback = record.get("event") == "rollback"
+                keep = ("event", "rollbacks", "skip_samples") if rollback else ("event",)
+                out.append({k: record[k] for k in keep})
+            except (json.JSONDecodeError, AttributeError, KeyError) as e:
+                if n == len(lines):  # an interrupted write (full disk, a node crash): dropped
+                    self.log(f"warning: ignoring the torn last line of {self.path} (an interrupted "
+                             "write); resuming rewrites the file without it")
+                    break
+                raise ValueError(f"{self.path}, line {n}, is not a spike record ({type(e).__name__}: "
+                                 f"{e}); move the file aside to resume with a new log") from None
         return out
 
     def resume(self, state: dict | None, events: list[dict]) -> None:
@@ -194,7 +209,7 @@ class SpikeTracker:
         dropped, as the resumed run meets them again. On a fresh start an old file is renamed,
         not overwritten."""
         if state is None:
-            if events and self.is_main:
+            if self.is_main and self._lines():
                 k = 1
                 while (old := self.path.with_name(f"spikes.{k}.jsonl")).exists():
                     k += 1
@@ -214,7 +229,7 @@ class SpikeTracker:
                 if window not in self.skip:
                     self.skip.append(window)
         self.events = keep
-        if self.is_main and len(events) > keep:
+        if self.is_main and len(self._lines()) > keep:  # events after it, or a torn last line
             tmp = self.path.with_name(SPIKES_FILE + ".tmp")
             tmp.write_text("".join(line + "\n" for line in self._lines()[:keep]))
             tmp.replace(self.path)

@@ -18,7 +18,12 @@ from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.collectives import broadcast_object, first_line, mean_over_ranks
+from megatron_lite.distributed.collectives import (
+    broadcast_object,
+    first_line,
+    mean_over_ranks,
+    raise_together,
+)
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
 from megatron_lite.model.flops import mfu
@@ -80,8 +85,14 @@ class Trainer:
             if self.cfg.checkpoint.resume:
                 loaded = self.checkpointer.load()
         extra = loaded.extra if loaded is not None and loaded.extra else {}
-        log = broadcast_object(self.spikes.read_log() if self.dims.is_main else None, self.dims,
-                               "the spike log")
+        log, error = None, None
+        if self.dims.is_main:  # rank 0 reads; a bad file stops every rank, not rank 0 alone
+            try:
+                log = self.spikes.read_log()
+            except Exception as e:
+                error = e
+        raise_together(error, self.dims, "reading the spike log")
+        log = broadcast_object(log, self.dims, "the spike log")
         self.spikes.resume(extra.get("spikes"), log)
         if loaded is not None:
             self._restore(loaded)

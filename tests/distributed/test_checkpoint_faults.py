@@ -142,3 +142,18 @@ def test_a_stop_while_a_background_save_is_in_flight_waits_for_the_save(tmp_path
     assert ("waiting for the checkpoint save of step 2 still in flight before exiting (SpikeStop)"
             in proc.stdout)
     assert "the checkpoint save of step 2 completed" in proc.stdout
+
+
+def test_a_save_failing_on_rank_0_alone_is_continued_on_every_rank(tmp_path):
+    """Rank 0 cannot create step 4's directory (a file is in the way); under
+    on_save_failure=continue every rank handles the same CheckpointError and trains on."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".tmp-step_00000004").write_text("in the way")
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"),
+                               f"checkpoint.dir={ck}", "checkpoint.save_interval=2",
+                               "checkpoint.on_save_failure=continue", f"logging.dir={tmp_path}/run"],
+                              nproc=2, timeout=300))
+    assert "checkpoint save failed (1 in a row): cannot create" in proc.stdout
+    assert (ck / "latest").read_text().strip() == "step_00000006"
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -201,3 +201,16 @@ def test_resumed_run_writes_the_same_spike_log(tmp_path):
     assert [e["step"] for e in _events(tmp_path / "part")] == [41, 48]
     check(run_pretrain(part, env=env))
     assert (tmp_path / "part/spikes.jsonl").read_text() == (tmp_path / "full/spikes.jsonl").read_text()
+
+
+def test_a_full_disk_under_the_logs_does_not_stop_the_run(tmp_path):
+    """Rank 0 alone writes metrics.jsonl and spikes.jsonl; when those writes fail (ENOSPC) the
+    run warns and trains on instead of rank 0 crashing while rank 1 waits."""
+    ck = tmp_path / "ck"
+    args = _args(tmp_path, "training.iters=4", "parallel.zero_stage=1", f"checkpoint.dir={ck}",
+                 "checkpoint.save_interval=2", f"logging.dir={tmp_path}/run")
+    proc = check(run_pretrain(args, nproc=2, env={"FAULT_LOG_ENOSPC": "1", "FAULT_NAN_LOSS": "3:1"}))
+    assert "metrics.jsonl failed (OSError: [Errno 28] No space left on device)" in proc.stderr
+    assert "spikes.jsonl failed (OSError: [Errno 28] No space left on device)" in proc.stdout
+    assert "non-finite loss/gradient at step 3" in proc.stdout
+    assert (ck / "latest").read_text().strip() == "step_00000004"

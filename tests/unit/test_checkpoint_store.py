@@ -165,3 +165,78 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     assert (tmp_path / "latest").read_text() == "step_00000003\n"
     lock, _ = store.claim(tmp_path, fresh=False)  # resuming it is fine
     lock.close()
+
+
+def test_copies_beside_the_checkpoints_are_neither_loaded_nor_retained_away(tmp_path):
+    for step in (2, 4, 6, 8):
+        _save(tmp_path, step)
+    (tmp_path / "step_00000004.bak").mkdir()  # a copy a person made
+    (tmp_path / "step_00000009-old").mkdir()
+    assert [p.name for p in store.committed_steps(tmp_path)] == [
+        "step_00000008", "step_00000006", "step_00000004", "step_00000002"]
+    keeper, messages = _chooser(tmp_path, "checkpoint.keep_last=2")
+    keeper._apply_retention(8)  # rank 0 between two collectives: must not raise
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000004.bak", "step_00000006", "step_00000008", "step_00000009-old"]
+    (tmp_path / "latest").write_text("step_00000004.bak\n")
+    with pytest.raises(CheckpointError, match="does not name a checkpoint directory"):
+        store.read_latest(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["shape", "unreadable"])
+def test_a_bad_manifest_is_a_checkpoint_error_and_the_fallback_skips_it(tmp_path, bad):
+    """Valid JSON of the wrong shape, or a manifest that cannot be read (an OS error: here a
+    directory in its place): the error names the file, and load_fallback uses the one before."""
+    _save(tmp_path, 3)
+    newest = _save(tmp_path, 6)
+    manifest = newest / store.MANIFEST
+    manifest.unlink()
+    if bad == "shape":
+        manifest.write_text('{"format": 1, "step": 6, "files": "rank_00000.pt"}')
+        match = "is not a checkpoint manifest"
+    else:
+        manifest.mkdir()
+        match = "cannot read .*manifest.json"
+    with pytest.raises(CheckpointError, match=match):
+        store.read_manifest(newest)
+    chooser, _ = _chooser(tmp_path)
+    with pytest.raises(CheckpointError, match=match):
+        chooser._choose()
+    chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
+    assert chooser._choose()[0].name == "step_00000003"
+    for text in ("[]", "null", '{"format": 1, "files": []}'):
+        manifest.rmdir() if manifest.is_dir() else manifest.unlink()
+        manifest.write_text(text)
+        with pytest.raises(CheckpointError):
+            store.read_manifest(newest)
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a file planted in a shared directory could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_rank_file_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = _save(tmp_path / "ck", 3, payload=_RunsCode(marker))
+    store.verify(path, store.read_manifest(path))  # its checksums are right: it was planted whole
+    with pytest.raises(CheckpointError, match="rank_00000.pt holds objects other than tensors"):
+        store.load_rank_file(path / "rank_00000.pt")
+    assert not marker.exists()
+
+
+def test_rank_files_of_earlier_versions_with_numpy_rng_state_still_load(tmp_path):
+    import numpy as np
+    import torch
+
+    state = {"rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()}, "fragments": []}
+    path = _save(tmp_path, 3, payload=state)
+    loaded = store.load_rank_file(path / "rank_00000.pt")["payload"]
+    assert np.array_equal(loaded["rng"]["numpy"][1], state["rng"]["numpy"][1])

@@ -139,6 +139,22 @@ def test_resume_cuts_the_event_log_but_keeps_later_rollbacks(tmp_path):
     assert resumed.skip == [(32, 100)] and resumed.rollbacks == 1 and resumed.events == 3
 
 
+def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_is_named(tmp_path):
+    """A write cut short (full disk, node crash) leaves half a record at the end: resuming
+    ignores it and rewrites the file without it; garbage elsewhere stops with the line named."""
+    t = _tracker(tmp_path, policy="rollback")
+    _steps(t, [(2.0, 1.0)] * 10 + [(9.0, 1.0)])
+    saved = json.loads(json.dumps(t.state_dict()))
+    whole = (tmp_path / "spikes.jsonl").read_text()
+    (tmp_path / "spikes.jsonl").write_text(whole + '{"event": "spike", "step": 1')
+    resumed = _tracker(tmp_path, policy="rollback")
+    resumed.resume(saved, resumed.read_log())
+    assert (tmp_path / "spikes.jsonl").read_text() == whole
+    (tmp_path / "spikes.jsonl").write_text("not json\n" + whole)
+    with pytest.raises(ValueError, match="spikes.jsonl, line 1, is not a spike record"):
+        _tracker(tmp_path).read_log()
+
+
 def test_fresh_start_keeps_an_old_event_log(tmp_path):
     (tmp_path / "spikes.jsonl").write_text('{"event": "spike"}\n')
     t = _tracker(tmp_path)
