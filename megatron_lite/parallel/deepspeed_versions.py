@@ -10,7 +10,8 @@ from packaging.version import Version
 
 # From 0.18.3 the engine divides the loss by the gradient-accumulation steps in every backward;
 # before, only while its backward all-reduce is enabled (engine.backward), so switching that
-# all-reduce off for a one-rank group would leave the gradients summed, not averaged.
+# all-reduce off for a one-rank group would leave the gradients summed, not averaged - and the
+# pipeline engine always switches it off (it reduces gradients itself).
 GAS_SCALING_ALWAYS = Version("0.18.3")
 
 # From 0.18.3 DeepSpeed-Ulysses's all-to-all takes the even path when gathering the heads back;
@@ -18,6 +19,12 @@ GAS_SCALING_ALWAYS = Version("0.18.3")
 # gradients under grouped-query attention) took the uneven path, which asserts more heads than
 # ranks.
 ULYSSES_ANY_LOCAL_HEADS = Version("0.18.3")
+
+
+# From 0.19.8 DeepSpeed's bf16 optimizer (bf16 without ZeRO) hands a non-finite gradient norm to
+# the update gate; before, it asserts the norm is positive, so such a step stops the run instead of
+# being skipped (ZeRO 1-3 skip it on every release).
+BF16_NONFINITE_SKIPPED = Version("0.19.8")
 
 
 def deepspeed_version() -> Version:
@@ -38,3 +45,12 @@ def ulysses_head_problems(n_heads: int, n_kv_heads: int, ulysses: int, tensor: i
                             f"needs a multiple of {ulysses} there (DeepSpeed >= {ULYSSES_ANY_LOCAL_HEADS} "
                             "does not)")
     return problems
+
+
+def limitations(precision: str, zero_stage: int) -> list[str]:
+    """What this DeepSpeed release does differently for the run (logged at start)."""
+    if precision == "bf16" and zero_stage == 0 and deepspeed_version() < BF16_NONFINITE_SKIPPED:
+        return [f"DeepSpeed {deepspeed_version()}'s bf16 optimizer stops the run on a non-finite "
+                f"gradient instead of skipping the step (DeepSpeed >= {BF16_NONFINITE_SKIPPED} skips "
+                "it); set parallel.zero_stage=1 to have such steps skipped"]
+    return []

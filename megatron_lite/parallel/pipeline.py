@@ -136,13 +136,18 @@ class PipelineLoss:
     def __init__(self, dims: ParallelDims, vocab_size: int, used: int):
         self.dims, self.used = dims, used
         self.start = dims.tp_rank * (vocab_size // dims.tensor)
+        # The factor a training loss is multiplied by before DeepSpeed's backward (build_engine
+        # sets 1/accumulation steps where the pipeline engine does not average them itself).
+        self.train_scale = 1.0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         if self.dims.tensor == 1:
-            return F.cross_entropy(logits[:, :self.used].float(), targets)
-        return vocab_parallel_cross_entropy(logits, targets, self.dims.group("tensor"), self.start,
-                                            self.used).mean()
+            loss = F.cross_entropy(logits[:, :self.used].float(), targets)
+        else:
+            loss = vocab_parallel_cross_entropy(logits, targets, self.dims.group("tensor"), self.start,
+                                                self.used).mean()
+        return loss * self.train_scale if torch.is_grad_enabled() else loss
 
 
 def build_pipeline(cfg: ModelConfig, dims: ParallelDims, device, seed: int, partition: str):

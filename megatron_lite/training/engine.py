@@ -78,6 +78,10 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
         config=deepspeed_config(cfg, dims), dist_init_required=False)
+    if dims.pipeline > 1 and deepspeed_version() < GAS_SCALING_ALWAYS:
+        # This pipeline engine sums the accumulation steps' gradients (see GAS_SCALING_ALWAYS):
+        # average them through the loss; StepRunner reports the loss unscaled.
+        model.loss_fn.train_scale = 1.0 / dims.grad_accumulation(cfg)
     if dims.pipeline > 1 and zero_stage(cfg) == 0:
         _keep_clipped_norm(engine)
     if (dims.pipeline == 1 and zero_stage(cfg) == 0 and dims.data == 1 and dims.ulysses == 1

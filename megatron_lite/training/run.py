@@ -23,8 +23,9 @@ from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
+from megatron_lite.parallel.deepspeed_versions import limitations as deepspeed_limitations
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine, deepspeed_config
+from megatron_lite.training.engine import build_engine, deepspeed_config, zero_stage
 from megatron_lite.training.trainer import RunResult, Trainer
 
 
@@ -106,6 +107,8 @@ def run(cfg: Config) -> RunResult:
         n = compile_blocks(model, acc.get_compile_backend())
         log(f"torch.compile: {n} transformer block(s) on this rank, backend {acc.get_compile_backend()}")
     engine = build_engine(model, cfg, dims, iters, acc.device_name(), kernels.adamw)
+    for limitation in deepspeed_limitations(cfg.training.precision, zero_stage(cfg)):
+        log(f"warning: {limitation}")
 
     run_dir = Path(cfg.logging.dir)
     fpt = flops_per_token(model_cfg, cfg.data.seq_length)

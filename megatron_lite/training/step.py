@@ -94,11 +94,15 @@ class StepRunner:
         engine = self.engine
         local = self._loss_sum
         if self.pipelined:
-            local = engine.total_loss if engine.is_last_stage() else None
+            local = engine.total_loss / self._pipeline_scale() if engine.is_last_stage() else None
         # The step's one host synchronisation; the agreement itself is host control.
         mine = [float(local.detach().reshape(())), 1.0] if local is not None else [0.0, 0.0]
         total, count = collectives.sum_over_ranks(mine, self.dims, "the spike check's loss")
         return total / count / self.grad_accum
+
+    def _pipeline_scale(self) -> float:
+        """The factor the pipeline's training losses carry (parallel/pipeline.py PipelineLoss)."""
+        return getattr(self.engine.module.loss_fn, "train_scale", 1.0)
 
     def _norm_now(self) -> float | None:
         """The global gradient norm DeepSpeed (or our clipping) computed for this step."""
@@ -148,7 +152,7 @@ class StepRunner:
             self.grad_norm = engine.get_global_grad_norm()
             if self.judge is not None:
                 self._after_step()
-            return loss.detach().float() * self.grad_accum
+            return loss.detach().float() * self.grad_accum / self._pipeline_scale()
         loss_sum = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)
         for micro in range(self.grad_accum):
