@@ -128,7 +128,7 @@ for allreduce in (False, True) if taken else (True,):
     for _ in range(3):
         runner.train_step(batches, torch.device("cpu"))
     weights.append([p.detach().clone() for p in engine.module.parameters()])
-for a, b in zip(*weights, strict=True):
+for a, b in (zip(*weights, strict=True) if taken else ()):
     assert torch.equal(a, b)
 engine_module.deepspeed_version = lambda: Version("0.16.1+hpu")  # Habana's fork: declined
 model = build_parallel_model(resolve_model(cfg.model, None, 32, 1), dims, "cpu", 1234, "parameters")
