@@ -23,6 +23,10 @@ class TokenizerConfig:
     a character-level vocabulary (JSON list of characters)."""
     model: Optional[str] = None
     """Path of the tokenizer: the ``.model`` file, the Hugging Face directory, or the char JSON."""
+    vocab_size: Optional[int] = None
+    """The vocabulary the recipe expects of this tokenizer: ``--dry-run`` and ``--plan`` use it
+    before the tokenizer is built; a run uses the tokenizer's own (and warns when they differ).
+    Null: only the built tokenizer says."""
 
 
 @dataclass(frozen=True)

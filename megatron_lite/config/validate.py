@@ -58,6 +58,7 @@ def validate(cfg: Config) -> list[str]:
     for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
                        ("model.vocab_size", m.vocab_size), ("model.max_seq_len", m.max_seq_len),
                        ("model.tokenizer_vocab_size", m.tokenizer_vocab_size),
+                       ("data.tokenizer.vocab_size", d.tokenizer.vocab_size),
                        ("training.global_batch_size", t.global_batch_size)]:
         need(value is None or value >= 1, f"'{key}' = {value} must be at least 1 (or null)")
     if m.n_heads >= 1:

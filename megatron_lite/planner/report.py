@@ -21,8 +21,10 @@ def _vocab(cfg: Config) -> tuple[int | None, str | None]:
     try:
         return load_tokenizer(tok.type, tok.model).vocab_size, None
     except (FileNotFoundError, OSError, ValueError):
+        if tok.vocab_size is not None:
+            return tok.vocab_size, None
         return ASSUMED_VOCAB, (f"the tokenizer '{tok.model}' does not exist yet: assumed a vocabulary "
-                               f"of {ASSUMED_VOCAB:,} (set model.vocab_size for exact numbers)")
+                               f"of {ASSUMED_VOCAB:,} (set data.tokenizer.vocab_size for exact numbers)")
 
 
 def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,

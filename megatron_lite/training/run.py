@@ -61,9 +61,11 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
         try:
             vocab = load_tokenizer(tok.type, tok.model).vocab_size
         except FileNotFoundError:
-            raise FileNotFoundError(
-                f"the vocabulary size comes from the tokenizer '{tok.model}', which does not exist "
-                "yet: build it, or set model.vocab_size=N") from None
+            if tok.vocab_size is None:
+                raise FileNotFoundError(
+                    f"the vocabulary size comes from the tokenizer '{tok.model}', which does not exist "
+                    "yet: build it, or set data.tokenizer.vocab_size=N (or model.vocab_size=N)") from None
+            vocab = tok.vocab_size  # the recipe's word for it, until the tokenizer is built
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, cfg.parallel.tensor)
     params = count_parameters(build_model(model_cfg, "meta"))
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
@@ -93,6 +95,10 @@ def run(cfg: Config) -> RunResult:
     if model_cfg.tokenizer_vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.tokenizer_vocab_size={model_cfg.tokenizer_vocab_size} is smaller than "
                          f"the tokenizer's {data.tokenizer.vocab_size}; leave it null")
+    expected = cfg.data.tokenizer.vocab_size
+    if expected is not None and expected != data.tokenizer.vocab_size:
+        log(f"warning: data.tokenizer.vocab_size={expected}, but the tokenizer has "
+            f"{data.tokenizer.vocab_size} ids: the run uses {data.tokenizer.vocab_size}")
 
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,

@@ -1,7 +1,10 @@
 """pretrain.py as a user runs it: a subprocess from the repository root."""
 
+import importlib.util
 
-from tests.conftest import char_overrides, check, read_metrics, run_pretrain
+import pytest
+
+from tests.conftest import REPO, char_overrides, check, read_metrics, run_pretrain
 
 RECIPE = "recipes/shakespeare-char.yaml"
 
@@ -19,6 +22,24 @@ def test_print_config_applies_overrides():
 def test_dry_run_prints_parameters_and_flops():
     proc = check(run_pretrain(["recipes/llama2-7b.yaml", "--dry-run"]))
     assert "parameters: 6,738,415,616" in proc.stdout and "flops_per_token" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--dry-run", "--plan"])
+def test_every_recipe_dry_runs_and_plans_before_any_data_exists(tmp_path, monkeypatch, capsys, flag):
+    """From a directory with no data, tokenizer or checkpoint: exact sizes from each recipe's
+    word for its tokenizer (data.tokenizer.vocab_size), not an assumed vocabulary."""
+    spec = importlib.util.spec_from_file_location("pretrain_cli", REPO / "pretrain.py")
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    monkeypatch.chdir(tmp_path)
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 9
+    for recipe in recipes:
+        assert pretrain.main([str(recipe), flag]) == 0, recipe.name
+        out = capsys.readouterr()
+        assert "does not exist yet" not in out.out + out.err, (recipe.name, out.err)
+        assert "parameters:" in out.out, recipe.name
+    assert not list(tmp_path.iterdir())  # nothing was built or written
 
 
 def test_misspelled_key_fails_before_anything_is_built(tmp_path):
