@@ -21,6 +21,7 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,12 +41,14 @@ POLICIES = {
     "non-string value": "skipped",
     "empty or whitespace-only document": "skipped",
     "invalid UTF-8": "repaired (invalid bytes replaced by U+FFFD)",
+    "lone surrogate": "repaired (a JSON \\ud800-\\udfff escape without its pair replaced by U+FFFD)",
     "byte-order mark": "repaired (removed)",
     "CRLF line endings": "repaired (converted to LF)",
     "long document": f"kept whole (over {LONG_DOC_BYTES >> 20} MB)",
     "doubled separator": "repaired (separator tokens in the text next to the added one dropped)",
 }
 TEXT_SPLITS = ("file", "blank-line")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class PreprocessError(ValueError):
@@ -220,6 +223,11 @@ def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str
     if any(not obj[k].strip() for k in keys):
         problems.append(("empty or whitespace-only document", rec.where))
         return None
+    if any(LONE_SURROGATE.search(obj[k]) for k in keys):
+        # Valid pairs were joined by the JSON decoder; a lone half cannot be encoded as UTF-8
+        # (every tokenizer would raise on it).
+        obj = {**obj, **{k: LONE_SURROGATE.sub("\ufffd", obj[k]) for k in keys}}
+        problems.append(("lone surrogate", rec.where))
     if any(len(obj[k]) > LONG_DOC_BYTES for k in keys):
         problems.append(("long document", rec.where))
     return {k: obj[k] for k in keys}

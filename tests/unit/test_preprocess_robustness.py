@@ -45,16 +45,19 @@ def test_every_bad_jsonl_case_is_counted_located_and_valid_documents_kept(tmp_pa
         json.dumps({"text": ""}).encode(),                                    # 7 empty
         json.dumps({"text": "  \n "}).encode(),                               # 8 whitespace only
         json.dumps({"text": good[2]}).encode(),                               # 9
+        b'{"text": "half \\ud800 pair"}',                                      # 10 lone surrogate
     ]
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     s = _run(tmp_path, chars, [src])
     assert s.counts == {"byte-order mark": 1, "malformed JSON": 1, "missing key": 1,
                         "non-string value": 1, "CRLF line endings": 1, "invalid UTF-8": 1,
-                        "empty or whitespace-only document": 2}
+                        "empty or whitespace-only document": 2, "lone surrogate": 1}
     assert s.first_locations["malformed JSON"] == [f"{src}:2"]
     assert s.first_locations["empty or whitespace-only document"] == [f"{src}:7", f"{src}:8"]
-    assert _texts(tmp_path / "out_text_document", chars) == [good[0], good[1], "bad \ufffd byte", good[2]]
+    assert s.first_locations["lone surrogate"] == [f"{src}:10"]
+    assert _texts(tmp_path / "out_text_document", chars) == [good[0], good[1], "bad \ufffd byte", good[2],
+                                                             "half \ufffd pair"]
 
 
 @pytest.mark.parametrize("line, problem", [(b'{"text": "broken', "malformed JSON"),
