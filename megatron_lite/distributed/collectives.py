@@ -23,6 +23,7 @@ A collective that fails or times out (``distributed.timeout_minutes``) raises
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from datetime import timedelta
@@ -96,19 +97,25 @@ def raise_together(error: BaseException | None, dims: ParallelDims, what: str = 
         failed = torch.tensor([int(error is not None)], dtype=torch.int32)
         _agree(what, lambda: dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g))
         if failed.item():  # the rare path: learn who failed and how
-            mine = None if error is None else (type(error), first_line(error))
+            # The type travels by name: pickling a class defined inside a function would fail
+            # on this rank alone, in the middle of the collective.
+            kind = type(error)
+            mine = None if error is None else (kind.__module__, kind.__qualname__, first_line(error))
             reports = all_gather_object(mine, dims, f"the errors during {what}", group)
             if error is None:
-                rank, (kind, message) = next((r, x) for r, x in enumerate(reports) if x is not None)
-                raise _same_kind(kind, f"rank {rank} failed during {what}: {message}")
+                rank, (module, name, message) = next((r, x) for r, x in enumerate(reports) if x is not None)
+                raise _same_kind(module, name, f"rank {rank} failed during {what}: {message}")
     if error is not None:
         raise error
 
 
-def _same_kind(kind: type, message: str) -> BaseException:
-    """An exception of ``kind`` carrying ``message`` (RuntimeError when ``kind`` cannot be
-    made from a message alone)."""
+def _same_kind(module: str, name: str, message: str) -> BaseException:
+    """An exception of the class ``module.name`` carrying ``message`` (RuntimeError when that
+    class cannot be found or made from a message alone)."""
     try:
+        kind = importlib.import_module(module)
+        for part in name.split("."):
+            kind = getattr(kind, part)
         made = kind(message)
     except Exception:
         return RuntimeError(message)

@@ -25,7 +25,9 @@ def _worker(rank: int, world: int, used: int, init_file: str, results) -> None:
     group = dist.new_group()  # an accelerator group, as the tensor-parallel one is
     losses = vocab_parallel_cross_entropy(local, targets, group, rank * (vocab // world), used)
     (losses * upstream).sum().backward()
-    results.put((rank, losses.detach(), local.grad))
+    # As numpy arrays: pickled by value. A torch tensor would travel as a file descriptor that
+    # the parent fetches from this process, which may have exited by then.
+    results.put((rank, losses.detach().numpy(), local.grad.numpy()))
     dist.destroy_process_group()
 
 
@@ -37,7 +39,8 @@ def test_vocab_parallel_cross_entropy_equals_the_gathered_one(tmp_path, world, u
     procs = [ctx.Process(target=_worker, args=(r, world, used, init, results)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((r, (loss, grad)) for r, loss, grad in (results.get(timeout=120) for _ in procs))
+    got = {r: (torch.from_numpy(loss), torch.from_numpy(grad))
+           for r, loss, grad in (results.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

@@ -72,3 +72,18 @@ def test_a_backend_error_line_loses_its_source_location():
     assert collectives.first_line(e) == "Timed out waiting 3000ms for recv"
     assert collectives.first_line(RuntimeError()) == "RuntimeError"
     assert torch.distributed.is_available()
+
+
+def test_the_other_ranks_raise_the_failing_ranks_error_kind_by_name():
+    """raise_together sends the failing rank's exception class by name (a class defined in a
+    function cannot be pickled, and failing to pickle it would stop one rank mid-collective)."""
+    from megatron_lite.checkpoint.store import CheckpointError
+    from megatron_lite.distributed.collectives import _same_kind
+
+    class Local(Exception):
+        pass
+
+    made = _same_kind(CheckpointError.__module__, CheckpointError.__qualname__, "rank 0 failed")
+    assert type(made) is CheckpointError and str(made) == "rank 0 failed"
+    made = _same_kind(Local.__module__, Local.__qualname__, "rank 1 failed")
+    assert type(made) is RuntimeError and str(made) == "rank 1 failed"
