@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -255,5 +256,29 @@ def shutdown_distributed(dims: ParallelDims) -> None:
     """After a successful run: wait for every rank, then tear the process groups down in order
     (left to interpreter exit, gloo's threads can abort the process)."""
     if dist.is_initialized():
-        collectives.barrier(dims, "the end of the run")
+        try:
+            collectives.barrier(dims, "the end of the run")
+        except BaseException:
+            abandon_distributed()
+            raise
         dist.destroy_process_group()
+
+
+def abandon_distributed(wait_seconds: float = 30.0) -> None:
+    """After a failure on this rank: tear the process groups down locally, without waiting for
+    the other ranks (they may be the ones that failed). Left to interpreter exit, gloo's and the
+    store's C++ threads can abort the process ("terminate called without an active exception"),
+    turning a clean one-line error into a crash. A backend whose teardown blocks on a peer cannot
+    keep the rank from exiting: the teardown gets `wait_seconds`, then the rank goes on."""
+    if not dist.is_initialized():
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
+            pass
+
+    teardown = threading.Thread(target=destroy, name="abandon-process-groups", daemon=True)
+    teardown.start()
+    teardown.join(wait_seconds)

@@ -18,7 +18,7 @@ from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
-from megatron_lite.distributed.parallel_dims import shutdown_distributed
+from megatron_lite.distributed.parallel_dims import abandon_distributed, shutdown_distributed
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel import build_parallel_model
@@ -72,9 +72,17 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
 
 
 def run(cfg: Config) -> RunResult:
-    env = detect()
-    dims, acc = init_distributed(cfg, env)
+    dims, acc = init_distributed(cfg, detect())
+    try:
+        result = _run_on_groups(cfg, dims, acc)
+    except BaseException:
+        abandon_distributed()
+        raise
+    shutdown_distributed(dims)
+    return result
 
+
+def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
     def log(msg: str) -> None:
         if dims.is_main:
             print(msg, flush=True)
@@ -148,5 +156,4 @@ def run(cfg: Config) -> RunResult:
         logger.close()
     if result.final_val_loss is not None and result.stopped is None:
         log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
-    shutdown_distributed(dims)
     return result

@@ -1,10 +1,12 @@
 """pretrain.py as a user runs it: a subprocess from the repository root."""
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import REPO, char_overrides, check, read_metrics, run_pretrain
+from tests.conftest import REPO, char_overrides, check, cpu_env, read_metrics, run_pretrain
 
 RECIPE = "recipes/shakespeare-char.yaml"
 
@@ -50,10 +52,20 @@ def test_misspelled_key_fails_before_anything_is_built(tmp_path):
 
 
 def test_missing_dataset_is_a_one_line_error(tmp_path):
-    proc = run_pretrain([RECIPE, f"data.prefix={tmp_path}/none_text_document", "data.build_from=null",
-                         f"logging.dir={tmp_path}/run"])
-    assert proc.returncode == 1
+    """pretrain.py's main as its __main__ calls it, then a look at what the failure left: the
+    process groups are torn down on the failure path too (left to interpreter exit, gloo's
+    threads can abort the process with SIGABRT instead of the exit status 1)."""
+    args = [RECIPE, f"data.prefix={tmp_path}/none_text_document", "data.build_from=null",
+            f"logging.dir={tmp_path}/run"]
+    script = ("import sys, torch.distributed as dist, pretrain\n"
+              f"rc = pretrain.main({args!r})\n"
+              "print('groups left:', dist.is_initialized())\n"
+              "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
     assert "preprocess_data.py" in proc.stderr.strip().splitlines()[-1]
+    assert "groups left: False" in proc.stdout
 
 
 def test_shakespeare_char_learns(tmp_path):
