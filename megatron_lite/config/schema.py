@@ -361,6 +361,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Run directory and loggers."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
-    """Extra DeepSpeed config keys, deep-merged over the generated config (they win)."""
+    """Extra DeepSpeed config keys, deep-merged over the generated config. A key the recipe
+    already states elsewhere (batch sizes, gradient_clipping, zero_optimization.stage, bf16/fp16
+    enabled, optimizer, scheduler) must agree with it, or the run is refused before any work."""
     tags: list[str] = field(default_factory=list)
     """Free-form labels recorded with the run."""

@@ -59,7 +59,59 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         # ZeRO++ hierarchical partitioning: a second copy of the parameters, sharded within each
         # group of hsdp_shard_size ranks, serves the backward all-gathers inside the group.
         generated["zero_optimization"]["zero_hpz_partition_size"] = dims.hsdp_shard_size
-    return deep_merge(generated, dict(cfg.deepspeed))
+    extra = copy.deepcopy(dict(cfg.deepspeed))
+    problems = _contradictions(cfg, dims, extra)
+    if problems:
+        raise ValueError("the recipe's deepspeed: block contradicts the recipe (set the recipe key "
+                         "instead, or drop the deepspeed key): " + "; ".join(problems))
+    return deep_merge(generated, extra)
+
+
+def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]:
+    """DeepSpeed keys whose meaning the recipe already states elsewhere: dotted key -> (the
+    recipe's value in DeepSpeed's terms, where the recipe states it)."""
+    return {
+        "train_batch_size": (dims.global_batch(cfg), "training.global_batch_size"),
+        "train_micro_batch_size_per_gpu": (cfg.training.micro_batch_size, "training.micro_batch_size"),
+        "gradient_accumulation_steps": (
+            dims.grad_accumulation(cfg),
+            "training.global_batch_size / (micro_batch_size × data-parallel size)"),
+        "gradient_clipping": (cfg.optimizer.grad_clip, "optimizer.grad_clip"),
+        "zero_optimization.stage": (zero_stage(cfg), "parallel.zero_stage / parallel.hsdp"),
+        "zero_optimization.zero_hpz_partition_size": (dims.hsdp_shard_size or None,
+                                                      "parallel.hsdp_shard_size"),
+        "bf16.enabled": (cfg.training.precision == "bf16", "training.precision"),
+        "fp16.enabled": (cfg.training.precision == "fp16", "training.precision"),
+    }
+
+
+def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
+    """Problems with the recipe's ``deepspeed:`` block (``extra``, edited in place): a key that
+    restates the recipe's own value is dropped (the generated value, which may be DeepSpeed's way
+    of doing the same thing, stays); one that says something else is a contradiction, since a
+    silent winner would leave the logged config, the planner and the checkpoints describing
+    another run than the one DeepSpeed executes."""
+    problems = []
+    for name in ("optimizer", "scheduler"):
+        if name in extra:
+            problems.append(f"deepspeed.{name}: the {name} is built from the recipe's "
+                            f"{'optimizer' if name == 'optimizer' else 'schedule'}: section")
+    for dotted, (value, source) in _owned_values(cfg, dims).items():
+        *parents, leaf = dotted.split(".")
+        block = extra
+        for parent in parents:
+            block = block.get(parent) if isinstance(block, dict) else None
+        if not isinstance(block, dict) or leaf not in block:
+            continue
+        given = block[leaf]
+        if dotted == "zero_optimization.zero_hpz_partition_size" and value is None:
+            continue  # ZeRO++ hpZ on a ZeRO-3 run: the recipe says nothing about it
+        if given == value or (isinstance(value, float) and isinstance(given, (int, float))
+                              and float(given) == value):
+            del block[leaf]
+        else:
+            problems.append(f"deepspeed.{dotted}={given!r} but {source} gives {value!r}")
+    return problems
 
 
 def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters: int,

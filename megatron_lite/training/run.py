@@ -87,6 +87,7 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
         if dims.is_main:
             print(msg, flush=True)
 
+    ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
     setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
                          timeout=setup)
@@ -134,7 +135,7 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
         "grad_accumulation": dims.grad_accumulation(cfg), "iters": iters,
         "vocab_size": model_cfg.vocab_size, "tokenizer_vocab_size": data.tokenizer.vocab_size,
         "parameters": count_parameters(build_model(model_cfg, "meta")), "flops_per_token": fpt,
-        "device": acc.device_name(), "deepspeed_config": deepspeed_config(cfg, dims),
+        "device": acc.device_name(), "deepspeed_config": ds_config,
     }
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

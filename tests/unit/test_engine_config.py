@@ -16,14 +16,37 @@ def test_generated_deepspeed_config_and_passthrough():
     cfg = load_config(RECIPE, ["training.micro_batch_size=2", "training.global_batch_size=16",
                                "parallel.zero_stage=2", "training.precision=bf16",
                                "deepspeed.zero_optimization.overlap_comm=true",
-                               "deepspeed.gradient_clipping=0.5"])
+                               "deepspeed.zero_optimization.stage=2", "deepspeed.train_batch_size=16",
+                               "deepspeed.fp16.initial_scale_power=12"])
     dims = ParallelDims.plan(cfg, world_size=4)
     ds = deepspeed_config(cfg, dims)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
             ds["gradient_accumulation_steps"]) == (16, 2, 2)
-    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}  # merged, not replaced
+    # merged, not replaced; restating the recipe's own stage or batch is no contradiction
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    assert ds["gradient_clipping"] == 0.5  # the recipe's deepspeed block wins
+    assert ds["fp16"]["initial_scale_power"] == 12  # a key the recipe says nothing about passes
+
+
+def test_a_deepspeed_block_that_contradicts_the_recipe_is_refused_with_every_key_named():
+    cfg = load_config(RECIPE, ["training.micro_batch_size=2", "training.global_batch_size=16",
+                               "parallel.zero_stage=1", "optimizer.grad_clip=1.0",
+                               "deepspeed.zero_optimization.stage=3", "deepspeed.gradient_clipping=0.5",
+                               "deepspeed.gradient_accumulation_steps=4", "deepspeed.bf16.enabled=true",
+                               "deepspeed.optimizer.type=Adam"])
+    try:
+        deepspeed_config(cfg, ParallelDims.plan(cfg, world_size=4))
+    except ValueError as e:
+        text = str(e)
+    else:
+        raise AssertionError("a contradicting deepspeed: block was accepted")
+    assert "\n" not in text
+    for part in ("deepspeed.zero_optimization.stage=3 but parallel.zero_stage / parallel.hsdp gives 1",
+                 "deepspeed.gradient_clipping=0.5 but optimizer.grad_clip gives 1.0",
+                 "deepspeed.gradient_accumulation_steps=4 but training.global_batch_size",
+                 "deepspeed.bf16.enabled=True but training.precision gives False",
+                 "deepspeed.optimizer: the optimizer is built from the recipe's optimizer: section"):
+        assert part in text, (part, text)
 
 
 def test_layout_problems_are_reported_together():
