@@ -13,6 +13,8 @@ function right after its module is imported:
   commit but before ``latest`` moves.
 - ``FAULT_SLOW_SAVE=SECONDS``: every rank file is written SECONDS late (a slow filesystem;
   keeps a background save in flight).
+- ``FAULT_SAVE_ENOSPC=STEP[,STEP...]``: the first save of each of those steps fails with
+  ENOSPC (a full checkpoint filesystem at those moments; every rank's file).
 - ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
@@ -159,6 +161,21 @@ def _slow_save(store) -> None:
     store.write_rank_bytes = slow_write
 
 
+def _save_enospc(store) -> None:
+    steps = {int(x) for x in os.environ["FAULT_SAVE_ENOSPC"].split(",")}
+    write_rank_bytes = store.write_rank_bytes
+
+    @functools.wraps(write_rank_bytes)
+    def write_unless_full(directory, rank, data):
+        step = int(Path(directory).name.rpartition("_")[2])
+        if step in steps:
+            steps.discard(step)
+            _no_space()
+        return write_rank_bytes(directory, rank, data)
+
+    store.write_rank_bytes = write_unless_full
+
+
 def _sample_error(trainer_module) -> None:
     def broken_sample(*args, **kwargs):
         raise IndexError("list index out of range (injected)")
@@ -208,6 +225,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
+    "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.trainer", _sample_error),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),

@@ -262,19 +262,25 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
-    def _choose(self) -> tuple[Path, dict] | None:
-        """Rank 0: the checkpoint to resume from (verified), None for a fresh start."""
+    def _candidates(self) -> list[tuple[Path, dict]]:
+        """Rank 0: the checkpoints to resume from, in order of preference, with their manifests
+        (``latest``; with ``checkpoint.load_fallback`` every other committed one, newest first)."""
         ck = self.cfg.checkpoint
         root = self.root
         if root is None or not root.is_dir():
-            return None
+            return []
         for stale in store.remove_stale(root):
             self.log(f"removed an incomplete save: {stale}")
-        candidates: list[Path] = []
+        paths: list[Path] = []
         try:
             latest = store.read_latest(root)
             if latest is not None:
-                candidates.append(latest)
+                paths.append(latest)
+                # Newer committed ones: a rollback interrupted between repointing `latest` and
+                # moving them, or a crash between a commit and its `latest`. Left here, retention
+                # would count them as this run's newest saves and delete the run's own.
+                for moved in store.abandon_after(root, latest, "newer-than-latest"):
+                    self.log(f"warning: a checkpoint newer than '{store.LATEST}' was moved aside to {moved}")
             elif store.committed_steps(root):
                 raise CheckpointError(f"{root} has checkpoints but no '{store.LATEST}' pointer")
         except CheckpointError as e:
@@ -283,19 +289,50 @@ class Checkpointer:
                                       "newest valid checkpoint instead") from None
             self.log(f"warning: {e}; falling back to the newest valid checkpoint")
         if ck.load_fallback:
-            candidates += [p for p in store.committed_steps(root) if p not in candidates]
-        for path in candidates:
+            paths += [p for p in store.committed_steps(root) if p not in paths]
+        candidates = []
+        for path in paths:
             try:
-                manifest = store.read_manifest(path)
-                store.verify(path, manifest)
-                return path, manifest
+                candidates.append((path, store.read_manifest(path)))
             except CheckpointError as e:
                 if not ck.load_fallback:
                     raise CheckpointError(f"cannot resume: {e}. Set checkpoint.load_fallback=true to "
                                           "resume from the newest valid checkpoint instead") from None
                 self.log(f"warning: skipping {path}: {e}")
-        if candidates:
+        if paths and not candidates:
             raise CheckpointError(f"no valid checkpoint in {root}")
+        return candidates
+
+    def _verify_shared(self, path: Path, manifest: dict) -> str | None:
+        """Collective (control group). Each rank hashes its share of the files (its own file when
+        the layout is unchanged), so verifying takes one rank's share of the time, not the whole
+        checkpoint's on rank 0 while the others wait. Returns the first problem found on any
+        rank (the same on every rank), or None."""
+        share = manifest["files"][self.dims.rank::self.dims.world_size]
+        problem = None
+        try:
+            store.verify(path, manifest, share)
+        except CheckpointError as e:
+            # Which rank saw it: on a shared filesystem, which node's view of the file is bad.
+            problem = f"{e} (checked by rank {self.dims.rank})" if self.dims.world_size > 1 else str(e)
+        except Exception as e:  # anything else stays a verdict, never one rank's exception
+            problem = f"verifying {path} failed on rank {self.dims.rank}: {type(e).__name__}: {e}"
+        return next((p for p in all_gather_object(problem, self.dims, "verifying the checkpoint") if p),
+                    None)
+
+    def _first_valid(self, candidates: list[tuple[Path, dict]], strict: bool) -> tuple[Path, dict] | None:
+        """Collective: the first candidate whose files all verify. ``strict``: a bad one is an
+        error (on every rank) rather than skipped."""
+        for path, manifest in candidates:
+            problem = self._verify_shared(path, manifest)
+            if problem is None:
+                return path, manifest
+            if strict:
+                raise CheckpointError(f"cannot resume: {problem}. Set checkpoint.load_fallback=true "
+                                      "to resume from the newest valid checkpoint instead")
+            self.log(f"warning: skipping {path}: {problem}")
+        if candidates:
+            raise CheckpointError(f"no valid checkpoint in {self.root}")
         return None
 
     def _check_architecture(self, manifest: dict, path: Path) -> None:
@@ -310,20 +347,54 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written for a different model:\n  " + "\n  ".join(diff)
                                   + "\nset checkpoint.strict_model=false to load it anyway")
 
-    def rollback_target(self, newest_step: int) -> Path | None:
-        """Collective. The newest committed, verified checkpoint at or before ``newest_step``."""
-        found = None
+    def rollback_history(self, resuming: bool) -> list[dict]:
+        """Collective. The rollbacks recorded with the checkpoints (``store.ROLLBACKS``), the
+        same on every rank; on a fresh start an old history is set aside and [] returned."""
+        records, error = [], None
+        if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
+            try:
+                if resuming:
+                    records = store.read_rollbacks(self.root)
+                elif (old := store.set_aside_rollbacks(self.root)) is not None:
+                    self.log(f"{self.root / store.ROLLBACKS} from an earlier run moved to {old}")
+            except (CheckpointError, OSError) as e:
+                error = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"cannot read or move the rollback history in {self.root}: {e}")
+        raise_together(error, self.dims, "reading the rollback history")
+        return broadcast_object(records, self.dims, "the rollback history")
+
+    def record_rollback(self, record: dict) -> None:
+        """Collective, before anything is moved or reloaded: rank 0 adds ``record`` to the
+        history kept with the checkpoints, so the skipped data window and the rollback count
+        survive a crash and a changed ``logging.dir``."""
+        error = None
+        if self.dims.rank == 0:
+            try:
+                store.append_rollback(self.root, record)
+            except (CheckpointError, OSError) as e:
+                error = CheckpointError(f"cannot record the rollback in {self.root / store.ROLLBACKS}: {e}")
+        raise_together(error, self.dims, "recording the rollback")
+
+    def rollback_target(self, newest_step: int) -> tuple[Path, int, int] | None:
+        """Collective. The newest committed, verified checkpoint at or before ``newest_step``:
+        its path, step and data position."""
+        candidates = []
         if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
             for path in store.committed_steps(self.root):
                 try:
                     manifest = store.read_manifest(path)
-                    if manifest["step"] <= newest_step:
-                        store.verify(path, manifest)
-                        found = path
-                        break
                 except Exception as e:  # rank 0 alone: never leave the others in the broadcast
                     self.log(f"warning: not rolling back to {path}: {e}")
-        return broadcast_object(found, self.dims, "the rollback target")
+                    continue
+                if manifest["step"] <= newest_step:
+                    candidates.append((path, manifest))
+        candidates = broadcast_object(candidates, self.dims, "the rollback candidates")
+        for path, manifest in candidates:
+            problem = self._verify_shared(path, manifest)
+            if problem is None:
+                return path, manifest["step"], manifest["consumed_samples"]
+            self.log(f"warning: not rolling back to {path}: {problem}")
+        return None
 
     def abandon_after(self, path: Path, reason: str) -> list[Path]:
         """Collective. Make ``path`` the latest checkpoint: newer ones are moved (not deleted)
@@ -338,29 +409,37 @@ class Checkpointer:
         return broadcast_object(moved, self.dims, "the moved checkpoints")
 
     def load(self, target: Path | None = None) -> Loaded | None:
-        """Collective. Loads the checkpoint to resume from (``target``: that one) and returns
-        what the trainer needs of it; None for a fresh start."""
-        chosen, error = None, None
+        """Collective. Loads the checkpoint to resume from (``target``: that one, already
+        verified by ``rollback_target``) and returns what the trainer needs of it; None for a
+        fresh start."""
+        candidates, error = [], None
         if self.dims.rank == 0:
             try:
                 if target is not None:
-                    manifest = store.read_manifest(target)
-                    store.verify(target, manifest)
-                    chosen = (target, manifest)
+                    candidates = [(target, store.read_manifest(target))]
                 else:
-                    chosen = self._choose()
-                if chosen is not None:
-                    self._check_architecture(chosen[1], chosen[0])
+                    candidates = self._candidates()
             except CheckpointError as e:
                 error = e
             except Exception as e:  # rank 0 alone: reported on every rank by raise_together
                 error = CheckpointError(f"choosing the checkpoint in {self.root} failed: "
                                         f"{type(e).__name__}: {e}")
         raise_together(error, self.dims, "choosing the checkpoint to load")
-        chosen = broadcast_object(chosen, self.dims, "the checkpoint to load")
+        candidates = broadcast_object(candidates, self.dims, "the checkpoints to load from")
+        if target is not None:
+            chosen = candidates[0]
+        else:
+            chosen = self._first_valid(candidates, strict=not self.cfg.checkpoint.load_fallback)
         if chosen is None:
             return None
         path, manifest = chosen
+        error = None
+        if self.dims.rank == 0:
+            try:
+                self._check_architecture(manifest, path)
+            except CheckpointError as e:
+                error = e
+        raise_together(error, self.dims, "checking the checkpoint's model")
         states = {}
         error = None
         try:

@@ -8,6 +8,7 @@ Layout of ``checkpoint.dir``::
         rank_00000.pt ...  one file per rank (its fragments, RNG states; rank 0: trainer state)
     .tmp-step_00002000/    a save in progress (never loaded; removed when found at start)
     .lock                  held (flock) by the run using the directory; names its host and pid
+    rollbacks.json         the run's spike rollbacks: data windows skipped, rollbacks used
 
 A checkpoint is committed by renaming its temporary directory after every rank has written and
 the manifest is on disk; ``latest`` is replaced by write-temp-then-rename afterwards. A crash at
@@ -34,6 +35,7 @@ import torch
 MANIFEST = "manifest.json"
 LATEST = "latest"
 LOCK = ".lock"
+ROLLBACKS = "rollbacks.json"
 FORMAT_VERSION = 1
 
 
@@ -155,9 +157,10 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify(path: Path, manifest: dict) -> None:
-    """Every file listed exists with its size and SHA-256; the first problem is raised by name."""
-    for entry in manifest["files"]:
+def verify(path: Path, manifest: dict, entries: list[dict] | None = None) -> None:
+    """Every file listed (or just ``entries``, a share of the manifest's files) exists with its
+    size and SHA-256; the first problem is raised by name."""
+    for entry in manifest["files"] if entries is None else entries:
         file = path / entry["name"]
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
@@ -271,8 +274,13 @@ def remove_stale(root: Path) -> list[Path]:
 
 
 def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
-    """Rank 0: move every committed checkpoint newer than ``keep`` into ``root/abandoned/``
-    (suffixed with ``reason``), then point ``latest`` at ``keep``. Returns the new paths."""
+    """Rank 0: point ``latest`` at ``keep``, then move every committed checkpoint newer than
+    ``keep`` into ``root/abandoned/`` (suffixed with ``reason``). Returns the new paths.
+
+    In this order a crash at any moment leaves ``latest`` naming a directory that exists (first
+    the old newest, then ``keep``); the other order had a window where it named a moved one."""
+    write_bytes_durably(root / LATEST, (keep.name + "\n").encode())
+    fsync_dir(root)
     moved = []
     aside = root / "abandoned"
     for path in committed_steps(root):
@@ -284,9 +292,47 @@ def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
         os.replace(path, target)
         moved.append(target)
     fsync_dir(root)
-    write_bytes_durably(root / LATEST, (keep.name + "\n").encode())
-    fsync_dir(root)
     return moved
+
+
+def read_rollbacks(root: Path) -> list[dict]:
+    """The rollback history kept with the checkpoints ([] when there is none)."""
+    file = root / ROLLBACKS
+    if not file.exists():
+        return []
+    try:
+        records = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        records, problem = None, f"{type(e).__name__}: {e}"
+    else:
+        problem = "not a list of rollback records"
+    if not (isinstance(records, list) and all(
+            isinstance(r, dict) and isinstance(r.get("rollbacks"), int)
+            and isinstance(r.get("skip_samples"), list) and len(r["skip_samples"]) == 2
+            and all(isinstance(x, int) for x in r["skip_samples"]) for r in records)):
+        raise CheckpointError(f"{file} cannot be read ({problem}); it holds the run's rollback history "
+                              "(data windows to skip, rollbacks used): restore it, or move it aside to "
+                              "resume without that history")
+    return records
+
+
+def append_rollback(root: Path, record: dict) -> None:
+    """Add one rollback to the history, durably (write-temp-then-rename: never a torn file)."""
+    records = read_rollbacks(root) + [record]
+    write_bytes_durably(root / ROLLBACKS, json.dumps(records, indent=1).encode())
+    fsync_dir(root)
+
+
+def set_aside_rollbacks(root: Path) -> Path | None:
+    """A fresh start in a directory with an old history: keep it under a new name, unused."""
+    file = root / ROLLBACKS
+    if not file.exists():
+        return None
+    k = 1
+    while (old := root / f"rollbacks.{k}.json").exists():
+        k += 1
+    os.replace(file, old)
+    return old
 
 
 def retained(steps: list[int], keep_last: int, keep_every: int, protect: set[int]) -> set[int]:

@@ -201,13 +201,14 @@ class SpikeTracker:
                                  f"{e}); move the file aside to resume with a new log") from None
         return out
 
-    def resume(self, state: dict | None, events: list[dict]) -> None:
+    def resume(self, state: dict | None, events: list[dict], history: list[dict] = ()) -> None:
         """Restore the state saved with the checkpoint (None: a fresh start) and cut
         ``spikes.jsonl`` (summarised by ``read_log``, the same on every rank) back to what it
         accounts for. Rollbacks recorded after the checkpoint was written are kept, with their
         skipped windows (the resumed run must skip them too); events after the last of them are
-        dropped, as the resumed run meets them again. On a fresh start an old file is renamed,
-        not overwritten."""
+        dropped, as the resumed run meets them again. ``history`` (the rollbacks recorded with
+        the checkpoints) counts the same way and does not depend on the log being there. On a
+        fresh start an old file is renamed, not overwritten."""
         if state is None:
             if self.is_main and self._lines():
                 k = 1
@@ -229,6 +230,11 @@ class SpikeTracker:
                 if window not in self.skip:
                     self.skip.append(window)
         self.events = keep
+        for record in history:
+            self.rollbacks = max(self.rollbacks, record["rollbacks"])
+            window = tuple(record["skip_samples"])
+            if window not in self.skip:
+                self.skip.append(window)
         if self.is_main and len(self._lines()) > keep:  # events after it, or a torn last line
             tmp = self.path.with_name(SPIKES_FILE + ".tmp")
             tmp.write_text("".join(line + "\n" for line in self._lines()[:keep]))

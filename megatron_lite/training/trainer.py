@@ -93,7 +93,9 @@ class Trainer:
                 error = e
         raise_together(error, self.dims, "reading the spike log")
         log = broadcast_object(log, self.dims, "the spike log")
-        self.spikes.resume(extra.get("spikes"), log)
+        history = (self.checkpointer.rollback_history(resuming=loaded is not None)
+                   if self.checkpointer is not None else [])
+        self.spikes.resume(extra.get("spikes"), log, history)
         if loaded is not None:
             self._restore(loaded)
 
@@ -316,8 +318,8 @@ class Trainer:
         if self.checkpointer is None:
             return False
         self.finish_background_save()
-        target = self.checkpointer.rollback_target(spike_step - rb.min_steps_back)
-        if target is None:
+        found = self.checkpointer.rollback_target(spike_step - rb.min_steps_back)
+        if found is None:
             self.spikes.record_note("rollback_unavailable", f"no committed checkpoint at or before step "
                                     f"{spike_step - rb.min_steps_back}; the step was skipped instead")
             return False
@@ -327,10 +329,24 @@ class Trainer:
                        f"{self.spikes.path}; raise max_rollbacks to go on)")
             self.spikes.record_note("stop", message)
             raise SpikeStop(message)
+        target, to_step, position = found
+        window = self.spikes.rollback_window(position, st.consumed_samples)
+        # The data indices were planned for a budget of rollbacks (run.train_samples) assuming
+        # saves every save_interval; after failed saves the target can be further back and the
+        # window longer. Past the planned samples every rank would fail at a different moment.
+        resume_at = past_skipped(position, [*self.spikes.skip, window])
+        end = resume_at + (self.total_iters - to_step) * self.global_batch
+        if end > len(self.data.train):
+            self.spikes.record_note("rollback_unavailable", (
+                f"rolling back to step {to_step} and skipping samples {window[0]}..{window[1] - 1} "
+                f"would need {end} training samples, beyond the {len(self.data.train)} planned; "
+                "the step was skipped instead"))
+            return False
+        self.checkpointer.record_rollback({"rollbacks": self.spikes.rollbacks + 1, "step": spike_step,
+                                           "to_step": to_step, "skip_samples": list(window)})
         self.checkpointer.abandon_after(target, f"rollback{self.spikes.rollbacks + 1}")
         loaded = self.checkpointer.load(target)
         assert loaded is not None
-        window = self.spikes.rollback_window(loaded.consumed_samples, st.consumed_samples)
         self.spikes.record_rollback(loaded.step, str(target), window)
         self.spikes.restore_statistics((loaded.extra or {}).get("spikes"))
         self._restore(loaded)

@@ -78,8 +78,11 @@ def _gathered_state(path):
 
 
 def test_corrupt_checkpoint_stops_the_run_naming_the_file_and_a_fresh_run_is_refused(tmp_path):
+    """Two ranks: each verifies its own file (the corrupt rank-1 file is found by rank 1)."""
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
-    check(run_pretrain([*_args(tmp_path, "training.iters=4"), *ck, f"logging.dir={tmp_path}/a"]))
+    dp2 = ["parallel.zero_stage=1"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=4", *dp2), *ck, f"logging.dir={tmp_path}/a"],
+                       nproc=2))
     # A new run (resume=false) on this directory is refused before it touches anything.
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*")}
     proc = run_pretrain([*_args(tmp_path, "training.iters=2"), *ck, "checkpoint.resume=false",
@@ -88,17 +91,18 @@ def test_corrupt_checkpoint_stops_the_run_naming_the_file_and_a_fresh_run_is_ref
     assert "holds another run's checkpoints (newest: step_00000004) and checkpoint.resume is false" \
         in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*")} == before
-    shard = tmp_path / "ck/step_00000004/rank_00000.pt"
+    shard = tmp_path / "ck/step_00000004/rank_00001.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01
     shard.write_bytes(bytes(data))
-    proc = run_pretrain([*_args(tmp_path, "training.iters=6"), *ck, f"logging.dir={tmp_path}/b"])
+    proc = run_pretrain([*_args(tmp_path, "training.iters=6", *dp2), *ck, f"logging.dir={tmp_path}/b"],
+                        nproc=2)
     assert proc.returncode == 1
-    assert f"{shard} does not match its SHA-256" in proc.stderr
+    assert f"{shard} does not match its SHA-256 in the manifest (corrupt) (checked by rank 1)" in proc.stderr
     assert "load_fallback=true" in proc.stderr
     # With the fallback the run resumes from the previous checkpoint (step 2).
-    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6"), *ck, "checkpoint.load_fallback=true",
-                               f"logging.dir={tmp_path}/c"]))
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", *dp2), *ck,
+                               "checkpoint.load_fallback=true", f"logging.dir={tmp_path}/c"], nproc=2))
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
 
 

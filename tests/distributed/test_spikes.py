@@ -174,16 +174,47 @@ def test_rollback_reloads_skips_the_window_and_a_resume_skips_it_too(tmp_path):
     assert _trainer_state(ck / "step_00000060")["extra"]["spikes"]["skip"] == [window]
 
     # Killed right after the rollback (before any new save): `latest` is step 30, whose state
-    # predates the rollback; the resumed run still skips the window and ends the same.
-    ck2, killed = tmp_path / "ck2", tmp_path / "killed"
+    # predates the rollback. Resumed with another logging.dir (no spikes.jsonl to read), the
+    # run still skips the window, counts the rollback and ends the same: the history is kept
+    # with the checkpoints.
+    ck2, killed, elsewhere = tmp_path / "ck2", tmp_path / "killed", tmp_path / "elsewhere"
     run_pretrain_and_kill(_rollback_args(tmp_path, ck2, killed), 1, "rolled back from step 45",
                           env=_bad(45, steps=2))
     assert (ck2 / "latest").read_text().strip() == "step_00000030"
-    check(run_pretrain(_rollback_args(tmp_path, ck2, killed), env=_bad(45, steps=2)))
-    got = (killed / "spikes.jsonl").read_text().replace(str(ck2), str(ck))  # the only difference
-    assert got == (run / "spikes.jsonl").read_text()
-    resumed = [p for p in _positions(killed) if p[0] > 30][-30:]
-    assert resumed == positions[cut:]
+    assert json.loads((ck2 / "rollbacks.json").read_text()) == [
+        {"rollbacks": 1, "step": 45, "to_step": 30, "skip_samples": window}]
+    check(run_pretrain(_rollback_args(tmp_path, ck2, elsewhere), env=_bad(45, steps=2)))
+    assert [p for p in _positions(elsewhere) if p[0] > 30] == positions[cut:]
+    state = _trainer_state(ck2 / "step_00000060")["extra"]["spikes"]
+    assert state["skip"] == [window] and state["rollbacks"] == 1
+
+
+def test_a_rollback_that_would_outrun_the_planned_data_skips_the_step_instead(tmp_path):
+    """The saves of steps 20-40 fail (continue): the only checkpoint is step 10, and rolling back
+    there from 45 would need more samples than the run planned (room for a rollback of
+    save_interval + skip_batches steps). The step is skipped instead, on every rank alike."""
+    from megatron_lite.data.tokenizers import CharTokenizer
+
+    # Megatron's document sampling plans exactly the samples asked for (a token stream's
+    # windows would cover the whole corpus): the corpus' paragraphs as documents.
+    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")
+    data = tmp_path / "docs"
+    data.mkdir()
+    CharTokenizer.build(text, data / "chars.json")
+    with open(data / "paragraphs.jsonl", "w") as f:
+        for paragraph in text.split("\n\n"):
+            f.write(json.dumps({"text": paragraph + "\n\n"}) + "\n")
+    documents = [f"data.prefix={data}/paragraphs_text_document", f"data.build_from={data}/paragraphs.jsonl",
+                 f"data.tokenizer.model={data}/chars.json", "data.split_by=documents"]
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    proc = check(run_pretrain(_rollback_args(tmp_path, ck, run, 60, "spikes.rollback.max_rollbacks=1",
+                                             "checkpoint.on_save_failure=continue", *documents),
+                              nproc=2, env={**_bad(45), "FAULT_SAVE_ENOSPC": "20,30,40"}))
+    events = _events(run)
+    assert [e["event"] for e in events] == ["spike", "rollback_unavailable"]
+    assert "beyond the" in events[1]["message"] and "planned" in events[1]["message"]
+    assert [p[0] for p in _positions(run)][-1] == 60
+    assert not (ck / "rollbacks.json").exists() and "saved checkpoint" in proc.stdout
 
 
 def test_rollbacks_exhausted_stop_the_run(tmp_path):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import Checkpointer
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import load_config
+from megatron_lite.distributed import ParallelDims
 from tests.conftest import REPO
 
 
@@ -21,7 +24,13 @@ def _save(root, step, payload=b"x" * 1000):
 def _chooser(root, *overrides):
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [f"checkpoint.dir={root}", *overrides])
     messages = []
-    return Checkpointer(cfg, None, None, None, None, messages.append), messages
+    return Checkpointer(cfg, ParallelDims.plan(cfg, world_size=1), None, None, None,
+                        messages.append), messages
+
+
+def _choose(chooser):
+    """What ``Checkpointer.load`` chooses, on one process."""
+    return chooser._first_valid(chooser._candidates(), strict=not chooser.cfg.checkpoint.load_fallback)
 
 
 def test_commit_writes_manifest_and_latest(tmp_path):
@@ -56,9 +65,9 @@ def test_corrupt_latest_stops_unless_fallback_is_allowed(tmp_path):
     (tmp_path / "latest").write_bytes(b"\x00\xffgarbage")
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match="latest does not name a checkpoint.*load_fallback=true"):
-        chooser._choose()
+        _choose(chooser)
     chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
-    assert chooser._choose()[0].name == "step_00000006"
+    assert _choose(chooser)[0].name == "step_00000006"
     assert any("falling back" in m for m in messages)
 
 
@@ -68,9 +77,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one_only_if_allowe
     (newest / "rank_00000.pt").write_bytes(b"garbage")
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match="step_00000006/rank_00000.pt is 7 bytes"):
-        chooser._choose()
+        _choose(chooser)
     chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
-    assert chooser._choose()[0].name == "step_00000003"
+    assert _choose(chooser)[0].name == "step_00000003"
     assert any("skipping" in m and "step_00000006" in m for m in messages)
 
 
@@ -81,7 +90,7 @@ def test_crash_while_writing_shards_leaves_the_previous_checkpoint(tmp_path):
     store.write_rank_file(partial, 0, {"rank": 0})  # rank 1 died before writing
     (partial / "rank_00001.pt.partial").write_bytes(b"half")
     chooser, messages = _chooser(tmp_path)
-    path, manifest = chooser._choose()
+    path, manifest = _choose(chooser)
     assert (path.name, manifest["step"]) == ("step_00000003", 3)
     assert not partial.exists() and any("incomplete save" in m for m in messages)
 
@@ -91,7 +100,7 @@ def test_crash_between_commit_and_latest_resumes_from_what_latest_names(tmp_path
     _save(tmp_path, 6)
     store.write_bytes_durably(tmp_path / "latest", b"step_00000003\n")  # the pointer was not moved yet
     chooser, _ = _chooser(tmp_path)
-    assert chooser._choose()[0].name == "step_00000003"
+    assert _choose(chooser)[0].name == "step_00000003"
 
 
 def test_missing_latest_with_checkpoints_present_is_an_error(tmp_path):
@@ -99,7 +108,7 @@ def test_missing_latest_with_checkpoints_present_is_an_error(tmp_path):
     (tmp_path / "latest").unlink()
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match="no 'latest' pointer"):
-        chooser._choose()
+        _choose(chooser)
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
@@ -201,9 +210,9 @@ def test_a_bad_manifest_is_a_checkpoint_error_and_the_fallback_skips_it(tmp_path
         store.read_manifest(newest)
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match=match):
-        chooser._choose()
+        _choose(chooser)
     chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
-    assert chooser._choose()[0].name == "step_00000003"
+    assert _choose(chooser)[0].name == "step_00000003"
     for text in ("[]", "null", '{"format": 1, "files": []}'):
         manifest.rmdir() if manifest.is_dir() else manifest.unlink()
         manifest.write_text(text)
@@ -240,3 +249,28 @@ def test_rank_files_of_earlier_versions_with_numpy_rng_state_still_load(tmp_path
     path = _save(tmp_path, 3, payload=state)
     loaded = store.load_rank_file(path / "rank_00000.pt")["payload"]
     assert np.array_equal(loaded["rng"]["numpy"][1], state["rng"]["numpy"][1])
+
+
+def test_abandon_repoints_latest_before_moving_so_a_crash_midway_leaves_it_valid(tmp_path, monkeypatch):
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    real_replace = store.os.replace
+
+    def crash_on_step_4(src, dst):
+        if Path(src).name == "step_00000004":
+            raise OSError(5, "Input/output error (the node died here)")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store.os, "replace", crash_on_step_4)
+    with pytest.raises(OSError):
+        store.abandon_after(tmp_path, tmp_path / "step_00000002", "rollback1")
+    monkeypatch.setattr(store.os, "replace", real_replace)
+    assert store.read_latest(tmp_path) == tmp_path / "step_00000002"
+    # The resume after the crash moves the leftover newer checkpoint aside (retention would
+    # otherwise count it as the run's newest save) and resumes from `latest`.
+    chooser, messages = _chooser(tmp_path)
+    assert _choose(chooser)[0].name == "step_00000002"
+    assert [p.name for p in store.committed_steps(tmp_path)] == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == [
+        "step_00000004-newer-than-latest", "step_00000006-rollback1"]
+    assert any("newer than 'latest' was moved aside" in m for m in messages)
