@@ -16,6 +16,8 @@ function right after its module is imported:
 - ``FAULT_SAVE_ENOSPC=STEP[,STEP...]``: the first save of each of those steps fails with
   ENOSPC (a full checkpoint filesystem at those moments; every rank's file).
 - ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
+- ``FAULT_KILL_TOKENIZER_ON=TEXT``: a preprocessing worker process SIGKILLs itself when its batch
+  holds TEXT (the out-of-memory killer on a huge line).
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
 """
@@ -176,6 +178,19 @@ def _save_enospc(store) -> None:
     store.write_rank_bytes = write_unless_full
 
 
+def _kill_tokenizer_on(preprocess) -> None:
+    wanted = os.environ["FAULT_KILL_TOKENIZER_ON"].encode()
+    encode_batch = preprocess.encode_batch
+
+    @functools.wraps(encode_batch)
+    def encode_or_die(batch):
+        if wanted in repr(batch).encode():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return encode_batch(batch)
+
+    preprocess.encode_batch = encode_or_die
+
+
 def _sample_error(trainer_module) -> None:
     def broken_sample(*args, **kwargs):
         raise IndexError("list index out of range (injected)")
@@ -227,6 +242,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.trainer", _sample_error),
+    "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),
                                    ("megatron_lite.spikes.tracker", _spikes_enospc)]}

@@ -2,8 +2,8 @@
 
 Pipeline: the main process reads raw records (jsonl lines, text blocks or files, parquet rows)
 in batches of about ``BATCH_BYTES``; workers decode, validate and tokenize a whole batch and
-return flat numpy arrays (cheap to pickle); ``imap`` keeps the input order, so the output bytes
-do not depend on the worker count; one writer per JSON key streams to ``.tmp`` files that are
+return flat numpy arrays (cheap to pickle); results are taken in input order, so the output
+bytes do not depend on the worker count; one writer per JSON key streams to ``.tmp`` files that are
 renamed into place only when everything succeeded.
 
 Bad input never crashes a run and is never dropped silently. Policies (``POLICIES``):
@@ -24,7 +24,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -364,7 +367,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     bar = _progress_bar(total_bytes, show_progress)
     writers = {k: IndexedDatasetWriter(f"{output_prefix}_{k}_document", dtype) for k in keys}
     init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str, workers > 1)
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, init_args) if workers > 1 else None
+    # concurrent.futures rather than multiprocessing.Pool: a worker killed mid-batch (the OOM
+    # killer on a huge line) breaks the executor and every waiting result raises, where Pool
+    # replaces the worker and waits forever for the lost batch.
+    pool = (ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, init_args)
+            if workers > 1 else None)
     start = time.time()
 
     def advance(nbytes: int) -> None:
@@ -378,7 +385,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
             _init_worker(*init_args)
             results = map(encode_batch, batches)
         else:
-            results = pool.imap(encode_batch, batches)
+            results = _in_order(pool, batches, ahead=4 * workers)
         for out, n_docs, problems in results:
             for problem, where in problems:
                 summary.add(problem, where)
@@ -394,20 +401,38 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                                     f"{sum(summary.tokens.values()) / secs:,.0f} tok/s", refresh=False)
         for w in writers.values():
             w.finalize()
+    except BrokenProcessPool:
+        for w in writers.values():
+            w.abort()
+        raise PreprocessError(
+            f"a tokenizer worker process died (killed, most likely by the out-of-memory killer on a "
+            f"very large document); nothing was written to {output_prefix}_*. Rerun with fewer "
+            "--workers or more memory per worker, or split the largest documents") from None
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
     summary.seconds = time.time() - start
     for line in format_summary(summary, output_prefix):
         log(line)
     return summary
+
+
+def _in_order(pool: ProcessPoolExecutor, batches: Iterable, ahead: int) -> Iterator:
+    """``encode_batch`` over ``batches`` in the workers, results in input order, with at most
+    ``ahead`` batches in flight (the input is read only as fast as it is encoded)."""
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.submit(encode_batch, batch))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _progress_bar(total: int, show: bool | None):

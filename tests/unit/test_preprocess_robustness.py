@@ -81,6 +81,23 @@ def test_strict_cli_exit_code(tmp_path, chars):
     assert proc.returncode != 0 and f"{src}:2" in proc.stderr
 
 
+def test_a_killed_worker_fails_clearly_and_writes_nothing(tmp_path, chars):
+    """A tokenizer worker killed mid-batch (FAULT_KILL_TOKENIZER_ON: the OOM killer on a huge
+    line) ends preprocessing with a one-line error; no output, no hang."""
+    src = tmp_path / "in.jsonl"
+    with open(src, "w") as f:
+        for i in range(4000):
+            f.write(json.dumps({"text": "a huge line" if i == 2500 else f"doc {i}. " * 20}) + "\n")
+    proc = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(src),
+                           "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "char",
+                           "--tokenizer-model", chars, "--workers", "2"],
+                          env={**cpu_env(), "FAULT_KILL_TOKENIZER_ON": "a huge line"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "a tokenizer worker process died" in proc.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("o_*"))
+
+
 def test_plain_text_files_blocks_crlf_and_gzip(tmp_path, chars):
     (tmp_path / "a.txt").write_bytes(b"Para one\r\nline two\r\n\r\n\r\nPara two\r\n")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
