@@ -49,6 +49,8 @@ POLICIES = {
     "CRLF line endings": "repaired (converted to LF)",
     "long document": f"kept whole (over {LONG_DOC_BYTES >> 20} MB)",
     "doubled separator": "repaired (separator tokens in the text next to the added one dropped)",
+    "special-token text": "kept as text (a written </s> or <|endoftext|> is encoded as its characters, "
+                          "never as the token: no document boundary inside a document)",
 }
 TEXT_SPLITS = ("file", "blank-line")
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -247,6 +249,8 @@ class SeparatorPolicy:
     """Ids that mark a document boundary (BOS, EOS/EOD)."""
     leads: bool = False
     """True when the separator starts each document (BOS), False when it ends it."""
+    frames: bool = False
+    """True when the tokenizer adds both: each document is BOS … EOS, and both are kept."""
 
 
 def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
@@ -257,6 +261,9 @@ def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
     adds_bos = bos is not None and len(short) > 0 and short[0] == bos
     adds_eos = eos is not None and len(short) > 0 and short[-1] == eos
     seps = tuple(t for t in (bos, eos) if t is not None)
+    if adds_bos and adds_eos:
+        return SeparatorPolicy(False, eos, "the tokenizer frames every document with BOS … EOS: "
+                                           "nothing added", seps, frames=True)
     if adds_eos:
         return SeparatorPolicy(False, eos, "the tokenizer appends EOS to every document: nothing "
                                            "added", seps)
@@ -281,10 +288,23 @@ def one_separator(flat: np.ndarray, lengths: np.ndarray, policy: SeparatorPolicy
     is_sep = np.isin(flat, policy.separators)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     doc_of = np.repeat(np.arange(lengths.size), lengths)
+    nonempty = lengths > 0
+    if policy.frames:
+        # Each document is BOS … EOS as the tokenizer made it: keep that frame, and of two
+        # separators side by side inside a document drop the one that is not part of it.
+        framing = np.zeros(flat.size, dtype=bool)
+        framing[starts[nonempty]] = True
+        framing[(starts + lengths - 1)[nonempty]] = True
+        later = np.flatnonzero(is_sep[1:] & is_sep[:-1] & (doc_of[1:] == doc_of[:-1])) + 1
+        drop = np.zeros(flat.size, dtype=bool)
+        drop[later[~framing[later]]] = True
+        earlier = later[framing[later]] - 1
+        drop[earlier[~framing[earlier]]] = True
+        dropped = np.bincount(doc_of[drop], minlength=lengths.size).astype(np.int64)
+        return flat[~drop], lengths - dropped, dropped
     drop = np.zeros(flat.size, dtype=bool)
     drop[1:] = is_sep[1:] & is_sep[:-1]
     drop[starts] = False  # the first token of a document is judged below
-    nonempty = lengths > 0
     if policy.leads:
         # BOS starts each document: a document may not end with separators (the next BOS follows).
         last_real = np.full(lengths.size, -1)
@@ -297,7 +317,7 @@ def one_separator(flat: np.ndarray, lengths: np.ndarray, policy: SeparatorPolicy
     return flat[~drop], lengths - dropped, dropped
 
 
-_worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype] | None = None
+_worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype, re.Pattern | None] | None = None
 
 
 def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str,
@@ -308,7 +328,9 @@ def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...],
     tok = load_tokenizer(kind, model)
     if single_threaded and hasattr(tok, "num_threads"):
         tok.num_threads = 1
-    _worker = (tok, separator_policy(tok, append_eod), keys, np.dtype(dtype))
+    specials = sorted(tok.special_texts, key=len, reverse=True)
+    written = re.compile("|".join(map(re.escape, specials))) if specials else None
+    _worker = (tok, separator_policy(tok, append_eod), keys, np.dtype(dtype), written)
 
 
 def _expand(batch: list[Record]) -> Iterator[Record]:
@@ -325,7 +347,7 @@ def _expand(batch: list[Record]) -> Iterator[Record]:
 def encode_batch(batch: list[Record]):
     """Worker task: records -> ({key: (flat tokens, lengths)}, documents, problems)."""
     assert _worker is not None
-    tok, policy, keys, dtype = _worker
+    tok, policy, keys, dtype, written = _worker
     problems: list[tuple[str, str]] = []
     docs, wheres = [], []
     for rec in _expand(batch):
@@ -333,6 +355,8 @@ def encode_batch(batch: list[Record]):
         if doc is not None:
             docs.append(doc)
             wheres.append(rec.where)
+            if written is not None and any(written.search(doc[k]) for k in keys):
+                problems.append(("special-token text", rec.where))
     out = {}
     for key in keys:
         ids = tok.encode_batch([d[key] for d in docs])

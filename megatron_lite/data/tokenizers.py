@@ -18,6 +18,10 @@ class Tokenizer(Protocol):
     eod_id: int | None
     """End-of-document id appended between documents (None when the vocabulary has none)."""
     bos_id: int | None
+    special_texts: tuple[str, ...]
+    """The written forms of the special tokens (``</s>``, ``<|endoftext|>``). Raw text that holds
+    one is encoded as text, never as the token: a page that quotes ``<|endoftext|>`` must not
+    end its document in the middle."""
 
     def encode(self, text: str) -> Sequence[int]: ...
 
@@ -30,6 +34,7 @@ class CharTokenizer:
     """One id per character, from a JSON list of characters (nanoGPT shakespeare_char style)."""
 
     bos_id = None
+    special_texts = ()
 
     def __init__(self, path: str | Path):
         chars = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -76,6 +81,9 @@ class SentencePieceTokenizer:
         self.vocab_size = self.sp.get_piece_size()
         self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        # Control and unknown pieces: sentencepiece encodes their written forms as plain text.
+        self.special_texts = tuple(self.sp.id_to_piece(i) for i in range(self.vocab_size)
+                                   if self.sp.is_control(i) or self.sp.is_unknown(i))
         self.num_threads = -1  # preprocessing workers set 1: the processes are the parallelism
 
     def encode(self, text: str) -> list[int]:
@@ -100,12 +108,15 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.eod_id = self.tok.eos_token_id
         self.bos_id = self.tok.bos_token_id
+        self.special_texts = tuple(self.tok.all_special_tokens)
 
+    # split_special_tokens: special tokens written in the text are text (see special_texts);
+    # the ones the tokenizer adds by itself (a Llama BOS) are still added.
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+        return self.tok.encode(text, split_special_tokens=True)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.tok(list(texts))["input_ids"]
+        return self.tok(list(texts), split_special_tokens=True)["input_ids"]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

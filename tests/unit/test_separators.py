@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_lite.data.indexed import IndexedDataset
-from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.preprocess import SeparatorPolicy, one_separator, preprocess
 from megatron_lite.data.tokenizers import load_tokenizer
 
 DOCS = ["the quick brown fox", "jumps over the lazy dog", "and runs away"]
@@ -31,22 +31,38 @@ def _hf_tokenizer(path, template: str | None):
 
 
 @pytest.mark.parametrize("template, policy", [
-    ("<s> $A", "BOS"), ("$A </s>", "appends EOS"), (None, "appended once")],
-    ids=["adds-bos", "adds-eos", "adds-neither"])
+    ("<s> $A", "BOS"), ("$A </s>", "appends EOS"), ("<s> $A </s>", "frames"), (None, "appended once")],
+    ids=["adds-bos", "adds-eos", "adds-both", "adds-neither"])
 def test_one_separator_per_boundary(tmp_path, template, policy):
+    """Whatever the tokenizer adds, one boundary between documents (BOS and EOS both kept when it
+    frames documents with both); a separator written in the text is text, and counted."""
     path = _hf_tokenizer(tmp_path / "tok", template)
     tok = load_tokenizer("huggingface", path)
     src = tmp_path / "in.jsonl"
-    # The last document already ends with the separator's text: still only one.
-    docs = [*DOCS, "final words</s>"]
+    docs = [*DOCS, "final words</s>", "<s>quoted"]
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     summary = preprocess([str(src)], str(tmp_path / "out"), ["text"], "huggingface", str(path),
                          append_eod=True, log=lambda *_: None, show_progress=False)
     assert policy in summary.separator_policy
-    assert summary.counts.get("doubled separator", 0) == (0 if template is None else 1)
-    stream = IndexedDataset(tmp_path / "out_text_document").tokens
-    separators = np.isin(stream, [tok.bos_id, tok.eod_id])
-    assert separators.sum() == len(docs)  # one per document: boundaries + one at an end
-    assert not np.any(separators[1:] & separators[:-1]), "two separators in a row"
+    assert summary.counts.get("doubled separator", 0) == 0
+    assert summary.counts["special-token text"] == 2
     ds = IndexedDataset(tmp_path / "out_text_document")
-    assert [tok.decode(ds[i]) for i in range(len(ds))] == [*DOCS, "final words"]
+    expected = {"<s> $A": ([tok.bos_id], []), "$A </s>": ([], [tok.eod_id]),
+                "<s> $A </s>": ([tok.bos_id], [tok.eod_id]), None: ([], [tok.eod_id])}[template]
+    for i, text in enumerate(docs):
+        ids = [int(x) for x in ds[i]]
+        head, tail = expected
+        assert ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail, (text, ids)
+        inner = ids[len(head):len(ids) - len(tail)]
+        assert not set(inner) & {tok.bos_id, tok.eod_id}, (text, ids)  # written ones stay text
+        assert tok.decode(inner) == text
+
+
+def test_framing_separators_are_kept_and_doubled_ones_inside_dropped():
+    policy = SeparatorPolicy(False, 2, "frames", (1, 2), frames=True)
+    docs = [[1, 5, 2, 2], [1, 1, 5, 2], [1, 2], [1, 5, 6, 2]]
+    flat = np.concatenate([np.array(d) for d in docs])
+    lengths = np.array([len(d) for d in docs])
+    out, new_lengths, dropped = one_separator(flat, lengths, policy)
+    assert out.tolist() == [1, 5, 2, 1, 5, 2, 1, 2, 1, 5, 6, 2]
+    assert new_lengths.tolist() == [3, 3, 2, 4] and dropped.tolist() == [1, 1, 0, 0]
