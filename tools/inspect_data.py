@@ -28,7 +28,9 @@ CHUNK = 1 << 24
 
 def stats(ds: IndexedDataset) -> list[str]:
     lengths = ds.lengths.astype(np.int64)
-    lines = [f"documents: {len(ds):,}", f"tokens: {int(lengths.sum()):,}", f"token dtype: {ds.dtype}"]
+    lines = [f"documents: {ds.n_documents:,}", f"tokens: {int(lengths.sum()):,}", f"token dtype: {ds.dtype}"]
+    if ds.n_documents != len(ds):  # made with --split-sentences: sequences are sentences
+        lines.insert(1, f"sequences: {len(ds):,} (several per document; samples are drawn over sequences)")
     if lengths.size:
         q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int)
         lines.append(f"document length min/median/p90/p99/max: {' / '.join(f'{x:,}' for x in q)}")

@@ -65,14 +65,22 @@ class IndexedDatasetWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         self.n_tokens += int(tokens.size)
 
-    def finalize(self) -> None:
+    def finalize(self, doc_idx: np.ndarray | None = None) -> None:
+        """Write the index and move both files into place. ``doc_idx``: document boundaries as
+        sequence indices (Megatron's ``--split-sentences`` datasets hold several sequences per
+        document); default: every sequence is a document."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise ValueError("a document longer than 2^31 tokens cannot be indexed")
         pointers = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        doc_idx = np.arange(lengths.size + 1, dtype=np.int64)
+        if doc_idx is None:
+            doc_idx = np.arange(lengths.size + 1, dtype=np.int64)
+        doc_idx = np.asarray(doc_idx, dtype=np.int64)
+        if problem := _doc_idx_problem(doc_idx, lengths.size):
+            self.abort()
+            raise ValueError(f"document boundaries for {self.prefix}: {problem}")
         with open(f"{self.prefix}.idx.tmp", "wb") as f:
             f.write(HEADER)
             f.write(struct.pack("<Q", 1))
@@ -90,6 +98,15 @@ class IndexedDatasetWriter:
         self._bin.close()
         for suffix in (".bin.tmp", ".idx.tmp"):
             Path(self.prefix + suffix).unlink(missing_ok=True)
+
+
+def _doc_idx_problem(doc_idx: np.ndarray, n_seq: int) -> str | None:
+    if doc_idx.size == 0 or doc_idx[0] != 0 or doc_idx[-1] != n_seq:
+        ends = (doc_idx[0], doc_idx[-1]) if doc_idx.size else ()
+        return f"they must run from 0 to the {n_seq} sequences, not {ends}"
+    if np.any(np.diff(doc_idx) < 0):
+        return "they must not decrease"
+    return None
 
 
 class IndexedDataset:
@@ -114,6 +131,11 @@ class IndexedDataset:
         self.pointers = np.frombuffer(idx, np.int64, n_seq, offset)
         offset += 8 * n_seq
         self.doc_idx = np.frombuffer(idx, np.int64, n_doc, offset)
+        """Document boundaries as sequence indices: document d is sequences doc_idx[d]..doc_idx[d+1]-1
+        (one sequence per document unless made with Megatron's ``--split-sentences``)."""
+        if problem := _doc_idx_problem(self.doc_idx, n_seq):
+            raise ValueError(f"'{prefix}.idx': its document boundaries are inconsistent ({problem}); "
+                             "rebuild it")
         self.tokens = np.memmap(f"{prefix}.bin", dtype=self.dtype, mode="r")
         expected = int(self.pointers[-1]) // self.dtype.itemsize + int(self.lengths[-1]) if n_seq else 0
         if self.tokens.size != expected:
@@ -121,7 +143,12 @@ class IndexedDataset:
                              f"describes {expected}: the pair is inconsistent, rebuild it")
 
     def __len__(self) -> int:
+        """Sequences (the unit samples are drawn from, as in Megatron-LM's GPT datasets)."""
         return self.lengths.size
+
+    @property
+    def n_documents(self) -> int:
+        return self.doc_idx.size - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.dtype.itemsize
@@ -141,6 +168,10 @@ def merge(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 << 24) 
         raise ValueError(f"datasets have different token dtypes {sorted(dtypes)}: they come from "
                          "different tokenizers and cannot be merged")
     writer = IndexedDatasetWriter(output_prefix, datasets[0].dtype)
+    # Document boundaries carry over (shifted), so sentence-split datasets keep their documents.
+    offsets = np.cumsum([0, *(len(d) for d in datasets)])
+    doc_idx = np.concatenate([[0], *(d.doc_idx[1:].astype(np.int64) + off
+                                     for d, off in zip(datasets, offsets, strict=False))])
     try:
         for d in datasets:
             lengths = d.lengths.astype(np.int64)
@@ -152,8 +183,8 @@ def merge(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 << 24) 
                 last = max(int(np.searchsorted(ends, start_tok + chunk_tokens, side="right")), first + 1)
                 writer.add_flat(np.asarray(d.tokens[start_tok:int(ends[last - 1])]), lengths[first:last])
                 first = last
-        writer.finalize()
+        writer.finalize(doc_idx)
     except BaseException:
         writer.abort()
         raise
-    return sum(len(d) for d in datasets), writer.n_tokens
+    return sum(d.n_documents for d in datasets), writer.n_tokens

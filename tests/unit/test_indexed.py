@@ -48,3 +48,36 @@ def test_truncated_bin_is_detected(tmp_path):
 def test_missing_dataset_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         IndexedDataset(tmp_path / "nope")
+
+
+def test_merge_keeps_the_document_structure_of_sentence_split_datasets(tmp_path):
+    """A Megatron --split-sentences dataset: several sequences (sentences) per document, its
+    doc_idx says where documents end. Merging shifts and keeps those boundaries."""
+    from megatron_lite.data.indexed import merge
+
+    a = IndexedDatasetWriter(tmp_path / "a", np.uint16)
+    a.add_documents([[1, 2], [3], [4, 5, 6], [7], [8, 9]])  # 2 documents: sentences 0-2, 3-4
+    a.finalize(doc_idx=np.array([0, 3, 5]))
+    b = IndexedDatasetWriter(tmp_path / "b", np.uint16)
+    b.add_documents([[10], [11, 12], [13]])  # one sentence per document
+    b.finalize()
+    assert merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "ab")) == (5, 13)
+    ab = IndexedDataset(tmp_path / "ab")
+    assert ab.doc_idx.tolist() == [0, 3, 5, 6, 7, 8] and ab.n_documents == 5 and len(ab) == 8
+    assert [ab[i].tolist() for i in range(len(ab))] == [[1, 2], [3], [4, 5, 6], [7], [8, 9], [10],
+                                                          [11, 12], [13]]
+
+
+def test_inconsistent_document_boundaries_are_refused(tmp_path):
+    w = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    w.add_documents([[1], [2], [3]])
+    with pytest.raises(ValueError, match="must run from 0 to the 3 sequences"):
+        w.finalize(doc_idx=np.array([0, 2]))
+    w = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    w.add_documents([[1], [2], [3]])
+    w.finalize(doc_idx=np.array([0, 2, 3]))
+    idx = bytearray((tmp_path / "d.idx").read_bytes())
+    idx[-16:-8] = struct.pack("<q", 7)  # the middle boundary past the end
+    (tmp_path / "d.idx").write_bytes(bytes(idx))
+    with pytest.raises(ValueError, match="d.idx': its document boundaries are inconsistent"):
+        IndexedDataset(tmp_path / "d")
