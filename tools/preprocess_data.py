@@ -19,8 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
-         # Megatron-LM's names for the same tokenizers.
-         "SentencePieceTokenizer": "sentencepiece", "HuggingFaceTokenizer": "huggingface"}
+         "megatron-sentencepiece": "megatron-sentencepiece",
+         # Megatron-LM's names, meaning what they mean there: its SentencePieceTokenizer appends
+         # its own special tokens and ends documents with <EOD>; its GPTSentencePieceTokenizer is
+         # the model's vocabulary with the model's EOS.
+         "SentencePieceTokenizer": "megatron-sentencepiece", "GPTSentencePieceTokenizer": "sentencepiece",
+         "HuggingFaceTokenizer": "huggingface"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,11 @@ def choice(default: Any, *allowed: Any) -> Any:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    type: str = choice("sentencepiece", "huggingface", "char")
-    """Tokenizer family: a sentencepiece ``.model`` file, a Hugging Face tokenizer directory, or
-    a character-level vocabulary (JSON list of characters)."""
+    type: str = choice("sentencepiece", "huggingface", "char", "megatron-sentencepiece")
+    """Tokenizer family: a sentencepiece ``.model`` file, a Hugging Face tokenizer directory, a
+    character-level vocabulary (JSON list of characters), or ``megatron-sentencepiece``:
+    Megatron-LM's ``SentencePieceTokenizer`` over a ``.model`` file (its extra special tokens
+    and ``<EOD>``), for data made by Megatron-LM with that tokenizer."""
     model: Optional[str] = None
     """Path of the tokenizer: the ``.model`` file, the Hugging Face directory, or the char JSON."""
     vocab_size: Optional[int] = None

@@ -49,6 +49,8 @@ POLICIES = {
     "CRLF line endings": "repaired (converted to LF)",
     "long document": f"kept whole (over {LONG_DOC_BYTES >> 20} MB)",
     "doubled separator": "repaired (separator tokens in the text next to the added one dropped)",
+    "special-token text (parsed)": "parsed as the special token, as Megatron-LM's "
+                                   "SentencePieceTokenizer does",
     "special-token text": "kept as text (a written </s> or <|endoftext|> is encoded as its characters, "
                           "never as the token: no document boundary inside a document)",
 }
@@ -251,12 +253,20 @@ class SeparatorPolicy:
     """True when the separator starts each document (BOS), False when it ends it."""
     frames: bool = False
     """True when the tokenizer adds both: each document is BOS … EOS, and both are kept."""
+    always: bool = False
+    """Append the end-of-document token even after one already there (Megatron's bytes)."""
 
 
 def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
     """Detect BOS/EOS the tokenizer adds (encoding an empty and a short string) and append the
     end-of-document token only where nothing marks the boundary already."""
     bos, eos = tokenizer.bos_id, tokenizer.eod_id
+    if getattr(tokenizer, "megatron_exact", False):
+        # Megatron-LM's preprocess_data.py appends EOD to every document, whatever is there.
+        if not append_eod:
+            return SeparatorPolicy(False, eos, "no separator (--append-eod not given), as Megatron-LM")
+        return SeparatorPolicy(True, eos, f"end-of-document token {eos} appended to every document, "
+                                          "as Megatron-LM's preprocess_data.py does", always=True)
     short = tokenizer.encode("a")
     adds_bos = bos is not None and len(short) > 0 and short[0] == bos
     adds_eos = eos is not None and len(short) > 0 and short[-1] == eos
@@ -356,13 +366,14 @@ def encode_batch(batch: list[Record]):
             docs.append(doc)
             wheres.append(rec.where)
             if written is not None and any(written.search(doc[k]) for k in keys):
-                problems.append(("special-token text", rec.where))
+                problems.append(("special-token text" if not getattr(tok, "megatron_exact", False)
+                                 else "special-token text (parsed)", rec.where))
     out = {}
     for key in keys:
         ids = tok.encode_batch([d[key] for d in docs])
         if policy.append_eod:
             eod = policy.eod_id
-            ids = [x if len(x) and x[-1] == eod else [*x, eod] for x in ids]
+            ids = [[*x, eod] if policy.always or not (len(x) and x[-1] == eod) else x for x in ids]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         flat = np.concatenate([np.asarray(x, dtype=dtype) for x in ids]) if ids else np.zeros(0, dtype)
         flat, lengths, dropped = one_separator(flat, lengths, policy)

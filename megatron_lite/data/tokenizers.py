@@ -6,6 +6,7 @@ Nothing here touches the network: Hugging Face tokenizers load with ``local_file
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -97,6 +98,68 @@ class SentencePieceTokenizer:
         return self.sp.decode(list(ids))
 
 
+class MegatronSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``SentencePieceTokenizer``, id for id. (Its ``GPTSentencePieceTokenizer`` is
+    plain ``sentencepiece`` here: the model's own vocabulary, the model's EOS ends documents.)
+
+    The sentencepiece vocabulary, then Megatron's special tokens appended in its order:
+    ``<CLS> <SEP> <EOD> <MASK>``, then the model's pad, BOS and EOS pieces (``<PAD>``, ``<BOS>``,
+    ``<EOS>`` where the model has none); a piece already in the vocabulary keeps its id. Written
+    forms of these special tokens in the text are parsed as the tokens, as Megatron-LM does
+    (the text between them is encoded piece by piece), and documents end with ``<EOD>``.
+    """
+
+    megatron_exact = True  # preprocessing reproduces Megatron's bytes (see separator_policy)
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        size = self.vocab_size
+        vocab = {self.sp.id_to_piece(i): i for i in range(size)}
+        self.specials: dict[str, int] = {}
+
+        def add(piece: str) -> int:
+            self.specials[piece] = vocab.setdefault(piece, len(vocab))
+            return self.specials[piece]
+
+        for piece in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            add(piece)
+        ids = {}
+        for name, sp_id, fallback in (("pad", self.sp.pad_id(), "<PAD>"), ("bos", self.sp.bos_id(), "<BOS>"),
+                                      ("eos", self.sp.eos_id(), "<EOS>")):
+            ids[name] = add(self.sp.id_to_piece(sp_id) if 0 <= sp_id < size else fallback)
+        self.vocab_size = len(vocab)
+        self.eod_id, self.bos_id = self.specials["<EOD>"], ids["bos"]
+        self.special_texts = tuple(self.specials)
+        self._pieces = {i: piece for piece, i in self.specials.items()}
+        # Megatron takes the earliest special token in the text, the first added on a tie: the
+        # leftmost match of an alternation in that order.
+        self._split = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        parts = self._split.split(text)
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids.append(self.specials[part])
+            else:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, run = [], []
+        for i in ids:
+            i = int(i)
+            if i in self._pieces:
+                out += [self.sp.decode(run), self._pieces[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self.sp.decode(run)
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer, used as configured: special tokens it adds by itself (a
     Llama BOS, say) are kept, and preprocessing detects them (see ``separator_policy``)."""
@@ -123,7 +186,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
-    """The tokenizer of ``kind`` ('char', 'sentencepiece', 'huggingface') stored at ``path``."""
+    """The tokenizer of ``kind`` ('char', 'sentencepiece', 'huggingface', 'megatron-sentencepiece')
+    stored at ``path``."""
     if not Path(path).exists():
         raise FileNotFoundError(f"tokenizer '{path}' does not exist (data.tokenizer.model)")
     if kind == "char":
@@ -132,4 +196,7 @@ def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
         return SentencePieceTokenizer(path)
     if kind == "huggingface":
         return HFTokenizer(path)
-    raise ValueError(f"tokenizer type '{kind}' is not one of 'char', 'sentencepiece', 'huggingface'")
+    if kind == "megatron-sentencepiece":
+        return MegatronSentencePieceTokenizer(path)
+    raise ValueError(f"tokenizer type '{kind}' is not one of 'char', 'sentencepiece', 'huggingface', "
+                     "'megatron-sentencepiece'")

@@ -103,3 +103,38 @@ def test_preprocess_cli_uses_megatron_naming(tmp_path):
          "--output-prefix", str(tmp_path / "o2"), "--tokenizer-type", "char", "--append-eod",
          "--tokenizer-model", str(tmp_path / "c.json")], env=cpu_env(), capture_output=True, text=True)
     assert bad.returncode != 0 and "end-of-document" in bad.stderr
+
+
+def test_megatron_tokenizer_names_write_megatron_ids(tmp_path, sp_model):
+    """Megatron-LM's --tokenizer-type names mean what they mean there. The expected ids are
+    spelled out from Megatron-LM's tokenizers over sentencepiece itself:
+    SentencePieceTokenizer appends <CLS> <SEP> <EOD> <MASK> (then <PAD>, as this model has no
+    pad; its <s> and </s> keep their ids), parses those written in the text, and ends every
+    document with <EOD> (even after one); GPTSentencePieceTokenizer is the model's own
+    vocabulary, encodes the whole text and ends documents with the model's EOS."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    n, eos = sp.get_piece_size(), sp.eos_id()
+    assert sp.pad_id() < 0 and sp.id_to_piece(sp.bos_id()) == "<s>" and sp.id_to_piece(eos) == "</s>"
+    eod = n + 2
+    docs = ["To be<EOD>or not</s>to be", "it ends here<EOD>"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    want = {
+        "SentencePieceTokenizer": [
+            [*sp.encode("To be"), eod, *sp.encode("or not"), eos, *sp.encode("to be"), eod],
+            [*sp.encode("it ends here"), eod, *sp.encode(""), eod]],
+        "GPTSentencePieceTokenizer": [[*sp.encode(d), eos] for d in docs],
+    }
+    for name, expected in want.items():
+        proc = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(src),
+                               "--output-prefix", str(tmp_path / name), "--tokenizer-type", name,
+                               "--tokenizer-model", sp_model, "--append-eod"],
+                              env=cpu_env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        ds = IndexedDataset(tmp_path / f"{name}_text_document")
+        assert [ds[i].tolist() for i in range(len(ds))] == expected, name
+    tok = load_tokenizer("megatron-sentencepiece", sp_model)
+    assert tok.vocab_size == n + 5 and tok.eod_id == eod
+    assert tok.decode(tok.encode(docs[0])) == docs[0]
