@@ -9,6 +9,7 @@
 # Train on ALCF Polaris (4 × A100 per node) with mpiexec, one rank per GPU.
 #
 #   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES="training.iters=100" launch/polaris.sh
+#   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES_FILE=$PWD/my.overrides launch/polaris.sh
 #   launch/polaris.sh RECIPE [overrides]            # inside an interactive job (qsub -I ...)
 #   launch/polaris.sh --dry-run RECIPE [overrides]  # print the environment and command only
 #   CHECK=1 launch/polaris.sh [RECIPE [overrides]]  # check ranks, groups and network first
@@ -21,7 +22,14 @@
 #   NGPUS_PER_NODE         ranks per node (default 4, the A100s of a Polaris node)
 #   PYTHON                 the interpreter to run (default: python from the active environment)
 #   MPI_FLAVOR             pals (Polaris' Cray mpiexec) or hydra (MPICH); detected by default
-#   WALLTIME               HH:MM:SS; default: the job's Resource_List.walltime from qstat
+#   OVERRIDES              overrides when none are given as arguments, separated by spaces and
+#                          quoted as in a shell ('training.sample_prompt="Once upon a time"');
+#                          qsub -v splits its list at commas, so a value with a comma
+#                          (data.split=969,30,1) goes in OVERRIDES_FILE instead
+#   OVERRIDES_FILE         a file of overrides, one per line, taken as written (# comments skipped)
+#   WALLTIME               HH:MM:SS the job has left; default: the job's Resource_List.walltime
+#                          minus its resources_used.walltime from qstat (in an interactive job the
+#                          time already spent in it counts)
 #   CHECKPOINT_MARGIN_MIN  minutes before walltime at which the run saves and exits (default 10)
 set -euo pipefail
 DRY_RUN=0
@@ -37,7 +45,17 @@ else
     [[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]" >&2; exit 2; }
 fi
 OVERRIDES_ARR=("$@")
-if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then read -r -a OVERRIDES_ARR <<< "$OVERRIDES"; fi
+if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
+    [[ -f "$OVERRIDES_FILE" ]] || { echo "error: OVERRIDES_FILE=$OVERRIDES_FILE does not exist" >&2; exit 2; }
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        line="${line#"${line%%[![:space:]]*}"}"; line="${line%"${line##*[![:space:]]}"}"
+        [[ -z "$line" || "$line" == \#* ]] || OVERRIDES_ARR+=("$line")
+    done < "$OVERRIDES_FILE"
+elif [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then
+    # Shell quoting rules without a shell's expansions (no eval): a quoted value keeps its spaces.
+    mapfile -d '' -t OVERRIDES_ARR < <("${PYTHON:-python}" -c \
+        'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "$OVERRIDES")
+fi
 
 NODEFILE="${PBS_NODEFILE:-}"
 if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
@@ -63,13 +81,20 @@ export FI_CXI_DEFAULT_CQ_SIZE=131072   # larger completion queues for collective
 # trainer saves and exits on it, checkpoint.save_on_signal) CHECKPOINT_MARGIN_MIN before walltime.
 MARGIN_MIN="${CHECKPOINT_MARGIN_MIN:-10}"
 WALLTIME="${WALLTIME:-}"
+seconds() {  # HH:MM:SS -> seconds (empty when it is not that)
+    [[ "$1" =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || return 0
+    echo $((10#${BASH_REMATCH[1]} * 3600 + 10#${BASH_REMATCH[2]} * 60 + 10#${BASH_REMATCH[3]}))
+}
+LEFT_S=$(seconds "$WALLTIME")
 if [[ -z "$WALLTIME" && -n "${PBS_JOBID:-}" ]] && command -v qstat > /dev/null; then
-    WALLTIME=$(qstat -f "$PBS_JOBID" 2> /dev/null | awk '/Resource_List.walltime/ {print $3}' || true)
+    QSTAT=$(qstat -f "$PBS_JOBID" 2> /dev/null || true)
+    LIMIT_S=$(seconds "$(awk '/Resource_List.walltime/ {print $3}' <<< "$QSTAT")")
+    USED_S=$(seconds "$(awk '/resources_used.walltime/ {print $3}' <<< "$QSTAT")")
+    [[ -n "$LIMIT_S" ]] && LEFT_S=$((LIMIT_S - ${USED_S:-0}))
 fi
 SIGNAL_AFTER_S=""
-if [[ "$WALLTIME" =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]]; then
-    WALL_S=$((10#${BASH_REMATCH[1]} * 3600 + 10#${BASH_REMATCH[2]} * 60 + 10#${BASH_REMATCH[3]}))
-    SIGNAL_AFTER_S=$((WALL_S - MARGIN_MIN * 60))
+if [[ -n "$LEFT_S" ]]; then
+    SIGNAL_AFTER_S=$((LEFT_S - MARGIN_MIN * 60))
     if ((SIGNAL_AFTER_S > 0)) && [[ " ${OVERRIDES_ARR[*]:-} " != *" training.exit_duration_mins="* ]]; then
         OVERRIDES_ARR+=("training.exit_duration_mins=$((SIGNAL_AFTER_S / 60))")
     fi
@@ -93,7 +118,8 @@ CMD=("${MPI[@]}" "${PYTHON:-python}" "$PROGRAM" ${RECIPE:+"$RECIPE"} "${OVERRIDE
 INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
 [[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
 echo "$INFO"
-echo "${CMD[@]}"
+QUOTED=$(printf '%q ' "${CMD[@]}")  # as a shell would need it: each argument's bounds visible
+echo "${QUOTED% }"
 [[ $DRY_RUN -eq 1 ]] && exit 0
 
 "${CMD[@]}" &

@@ -75,6 +75,37 @@ def test_polaris_recipe_from_qsub_variables_and_walltime(tmp_path):
     assert mine.stdout.splitlines()[-1].endswith("training.exit_duration_mins=30")  # the user's wins
 
 
+def test_polaris_overrides_keep_spaces_and_commas_and_the_walltime_left_counts(tmp_path):
+    """OVERRIDES is split as a shell splits (quotes keep spaces; nothing is expanded);
+    OVERRIDES_FILE takes one override per line, commas included (qsub -v cannot carry them);
+    the walltime watcher uses what the job has left (an interactive job started earlier)."""
+    nodefile = _nodefile(tmp_path, ["x3001c0s1b0n0"])
+    out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", PBS_NODEFILE=nodefile,
+                  MPI_FLAVOR="pals", WALLTIME="", CHECKPOINT_MARGIN_MIN="10",
+                  OVERRIDES="training.iters=5 'training.sample_prompt=Once upon a time' "
+                            f"x=$(touch {tmp_path}/ran)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].endswith(
+        r"recipes/gpt2-124m.yaml training.iters=5 training.sample_prompt=Once\ upon\ a\ time "
+        rf"x=\$\(touch {tmp_path}/ran\)")  # two words, never run
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "my.overrides").write_text("# splits\ndata.split=969,30,1\n  training.sample_prompt=A, B  \n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    qstat = bin_dir / "qstat"
+    qstat.write_text("#!/bin/bash\necho '    Resource_List.walltime = 02:00:00'\n"
+                     "echo '    resources_used.walltime = 00:30:00'\n")
+    qstat.chmod(0o755)
+    out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", PBS_NODEFILE=nodefile,
+                  MPI_FLAVOR="pals", PBS_JOBID="123.polaris", OVERRIDES_FILE=str(tmp_path / "my.overrides"),
+                  PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+    assert out.returncode == 0, out.stderr
+    # 2 h limit, 30 min used, 10 min margin: SIGUSR1 after 80 minutes, not 110.
+    assert "SIGUSR1 to mpiexec after 4800 s" in out.stdout
+    assert out.stdout.splitlines()[-1].endswith(
+        r"data.split=969\,30\,1 training.sample_prompt=A\,\ B training.exit_duration_mins=80")
+
+
 @pytest.mark.parametrize("mode, lazy", [("lazy", "1"), ("eager", "0"), ("compile", "0")])
 def test_gaudi_dry_run_sets_the_execution_mode(mode, lazy):
     out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", f"training.hpu_mode={mode}",
