@@ -32,6 +32,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.transformer import ffn_hidden_size
+from megatron_lite.training.schedule import LRSchedule, ScheduledLR
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
 # any of them is refused (checkpoint.strict_model=false overrides).
@@ -125,6 +126,8 @@ class Checkpointer:
             engine = self.engine
             state["trainer"] = {
                 "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                "schedule": (engine.lr_scheduler.schedule.to_dict()
+                             if isinstance(engine.lr_scheduler, ScheduledLR) else None),
                 "adam_step": _adam_step(engine),
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "extra": extra,
@@ -347,6 +350,31 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written for a different model:\n  " + "\n  ".join(diff)
                                   + "\nset checkpoint.strict_model=false to load it anyway")
 
+    def _schedule_to_follow(self, saved: dict | None, running: LRSchedule, step: int, path: Path,
+                            resuming: bool) -> LRSchedule:
+        """The learning-rate schedule to go on with: the running one (the recipe's, at a resume),
+        unless a resumed checkpoint's differs — then ``schedule.on_resume`` decides, as
+        Megatron-LM's --use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler do;
+        by default the run is refused rather than mix two schedules. (Every rank reads the same
+        rank-0 state, so every rank decides alike.)"""
+        if saved is None or not resuming:  # a rollback continues the run's own schedule
+            return running
+        theirs = LRSchedule(**saved)
+        if theirs == running:
+            return running
+        diff = "; ".join(theirs.differences(running))
+        mode = self.cfg.schedule.on_resume
+        if mode == "check":
+            raise CheckpointError(
+                f"the recipe's learning-rate schedule differs from {path}'s ({diff}): set "
+                "schedule.on_resume=checkpoint to continue the checkpoint's schedule, or "
+                f"schedule.on_resume=recipe to switch to the recipe's from step {step} (the rate goes "
+                f"from {theirs.at(step):.4g} to {running.at(step):.4g})")
+        chosen = theirs if mode == "checkpoint" else running
+        self.log(f"learning-rate schedule: the {mode}'s from step {step} (schedule.on_resume={mode}; "
+                 f"checkpoint -> recipe: {diff}); next rate {chosen.at(step):.4g}")
+        return chosen
+
     def rollback_history(self, resuming: bool) -> list[dict]:
         """Collective. The rollbacks recorded with the checkpoints (``store.ROLLBACKS``), the
         same on every rank; on a fresh start an old history is set aside and [] returned."""
@@ -453,12 +481,12 @@ class Checkpointer:
 
         trainer = states[store.rank_file(0)]["trainer"]
         engine = self.engine
-        if engine.lr_scheduler is not None and trainer["scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(trainer["scheduler"])
-            # The schedule's state does not include the rate it last set on the optimizer.
-            for group, lr in zip(engine.lr_scheduler.optimizer.param_groups,
-                                 engine.lr_scheduler.get_last_lr(), strict=True):
-                group["lr"] = lr
+        scheduler = engine.lr_scheduler
+        if isinstance(scheduler, ScheduledLR) and trainer["scheduler"] is not None:
+            scheduler.load_state_dict(trainer["scheduler"])
+            # Also sets the rate on the optimizer, which the scheduler's state does not hold.
+            scheduler.follow(self._schedule_to_follow(trainer.get("schedule"), scheduler.schedule,
+                                                      manifest["step"], path, resuming=target is None))
         _set_adam_step(engine, trainer["adam_step"])
         engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
         same_layout = self._topology() == manifest["topology"]

@@ -183,6 +183,11 @@ class ScheduleConfig:
     """Shape of the decay from ``optimizer.lr`` to ``optimizer.min_lr``."""
     decay_iters: Optional[int] = None
     """Step at which the decay reaches ``min_lr``; null means the end of training."""
+    on_resume: str = choice("check", "checkpoint", "recipe")
+    """When a resumed checkpoint's schedule (``optimizer.lr``/``min_lr``, these keys, the decay
+    end) differs from the recipe's: ``check`` refuses to start and lists the differences;
+    ``checkpoint`` continues the checkpoint's schedule; ``recipe`` follows the recipe's from the
+    resumed step on (the rate may jump). Never a mix of the two."""
 
 
 @dataclass(frozen=True)

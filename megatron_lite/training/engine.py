@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 from torch import nn
 
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
 from megatron_lite.training.optimizer import build_optimizer
-from megatron_lite.training.schedule import lr_at
+from megatron_lite.training.schedule import LRSchedule, ScheduledLR
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
@@ -121,9 +120,7 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     import deepspeed
 
     optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw)
-    peak = cfg.optimizer.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, cfg.optimizer, cfg.schedule, total_iters) / peak)
+    scheduler = ScheduledLR(optimizer, LRSchedule.of(cfg.optimizer, cfg.schedule, total_iters))
     # The pipeline engine takes its process groups from the PipelineModule's own topology
     # (built in the same rank order as ours); otherwise DeepSpeed gets our groups as its mpu.
     mpu = None if dims.pipeline > 1 else dims.mpu()

@@ -3,24 +3,78 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
 
 from megatron_lite.config.schema import OptimizerConfig, ScheduleConfig
 
 
+@dataclass(frozen=True)
+class LRSchedule:
+    """Everything the learning rate of a step depends on (saved with every checkpoint)."""
+
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    decay_style: str
+    decay_end: int
+    """The step at which the decay reaches ``min_lr`` (``schedule.decay_iters``, or the run's
+    total steps)."""
+
+    @classmethod
+    def of(cls, opt: OptimizerConfig, sched: ScheduleConfig, total_iters: int) -> LRSchedule:
+        return cls(opt.lr, opt.min_lr, sched.warmup_iters, sched.decay_style,
+                   sched.decay_iters if sched.decay_iters is not None else total_iters)
+
+    def at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup_iters:
+            # (step+1)/(warmup+1): never 0, reaches lr right after warm-up (as nanoGPT).
+            return self.lr * (step + 1) / (self.warmup_iters + 1)
+        if self.decay_style == "constant":
+            return self.lr
+        if step >= self.decay_end:
+            return self.min_lr
+        progress = (step - self.warmup_iters) / max(self.decay_end - self.warmup_iters, 1)
+        if self.decay_style == "cosine":
+            coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            coeff = 1.0 - progress
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    def differences(self, other: LRSchedule) -> list[str]:
+        """``name: self's -> other's`` for every field that differs."""
+        return [f"{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}" for f in fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def lr_at(step: int, opt: OptimizerConfig, sched: ScheduleConfig, total_iters: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based)."""
-    warmup = sched.warmup_iters
-    if step < warmup:
-        # (step+1)/(warmup+1): never 0, reaches lr right after warm-up (as nanoGPT).
-        return opt.lr * (step + 1) / (warmup + 1)
-    if sched.decay_style == "constant":
-        return opt.lr
-    decay_end = sched.decay_iters if sched.decay_iters is not None else total_iters
-    if step >= decay_end:
-        return opt.min_lr
-    progress = (step - warmup) / max(decay_end - warmup, 1)
-    if sched.decay_style == "cosine":
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        coeff = 1.0 - progress
-    return opt.min_lr + coeff * (opt.lr - opt.min_lr)
+    return LRSchedule.of(opt, sched, total_iters).at(step)
+
+
+class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR that follows an ``LRSchedule`` and keeps it: checkpoints record it, and a
+    resumed run can follow the checkpoint's schedule or the recipe's (``schedule.on_resume``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule):
+        self.schedule = schedule
+        # A plain function (not a bound method): LambdaLR's state_dict leaves functions out.
+        super().__init__(optimizer, lambda step: self.schedule.at(step) / self.schedule.lr
+                         if self.schedule.lr else 0.0)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("schedule", None)  # saved beside it, as plain values (checkpoints load weights_only)
+        return state
+
+    def follow(self, schedule: LRSchedule) -> None:
+        """From the current step on, rates come from ``schedule`` (the optimizer's too)."""
+        self.schedule = schedule
+        self.base_lrs = [schedule.lr] * len(self.optimizer.param_groups)
+        self.last_epoch -= 1
+        self.step()  # the same step again: sets the optimizer's rates (and get_last_lr) anew

@@ -114,3 +114,32 @@ def test_retention_after_ten_saves(tmp_path, async_save):
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert kept == [".lock", "latest", "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
     assert (tmp_path / "ck/latest").read_text().strip() == "step_00000010"
+
+
+def test_a_changed_schedule_on_resume_is_refused_or_followed_as_asked(tmp_path):
+    """Resumed at step 6 with training.iters raised from 6 to 8 (the cosine decay now ends at 8):
+    refused by default; schedule.on_resume=recipe gives the 8-step run's rates, =checkpoint the
+    6-step schedule's end (min_lr) — never the checkpoint's rate for one step and the recipe's
+    for the next."""
+    import shutil
+
+    lr = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "schedule.warmup_iters=2"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=6", *lr), f"checkpoint.dir={tmp_path}/ck",
+                        "checkpoint.save_interval=3", f"logging.dir={tmp_path}/six"]))
+    check(run_pretrain([*_args(tmp_path, "training.iters=8", *lr), f"logging.dir={tmp_path}/eight"]))
+    for name in ("refused", "recipe", "checkpoint"):
+        shutil.copytree(tmp_path / "ck", tmp_path / f"ck-{name}")
+    longer = [*_args(tmp_path, "training.iters=8", *lr)]
+    proc = run_pretrain([*longer, f"checkpoint.dir={tmp_path}/ck-refused", f"logging.dir={tmp_path}/r"])
+    assert proc.returncode == 1
+    reason = proc.stderr.strip().splitlines()[-1]
+    assert "learning-rate schedule differs" in reason and "decay_end 6 -> 8" in reason
+    assert "schedule.on_resume=checkpoint" in reason and "schedule.on_resume=recipe" in reason
+    for mode, want in (("recipe", [r["lr"] for r in _records(tmp_path / "eight", 7)]),
+                       ("checkpoint", [1e-4, 1e-4])):
+        proc = check(run_pretrain([*longer, f"schedule.on_resume={mode}",
+                                   f"checkpoint.dir={tmp_path}/ck-{mode}", f"logging.dir={tmp_path}/{mode}"]))
+        assert f"learning-rate schedule: the {mode}'s from step 6" in proc.stdout
+        got = _records(tmp_path / mode, 7)
+        assert [r["step"] for r in got] == [7, 8]
+        torch.testing.assert_close([r["lr"] for r in got], want, rtol=1e-6, atol=0)
