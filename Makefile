@@ -14,6 +14,9 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
+	@# DeepSpeed's CPU communication op, built now rather than inside the first run (or test).
+	[ "$(DS_ACCELERATOR)" != cpu ] || $(PY) -c "from megatron_lite.distributed.cpu_extensions import build; build()" \
+		|| echo "warning: DeepSpeed's CPU communication op did not build; the first run builds it"
 	touch $@
 
 install: $(VENV)/.installed

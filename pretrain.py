@@ -80,15 +80,22 @@ def main(argv: list[str]) -> int:
     from megatron_lite.checkpoint import CheckpointError
     from megatron_lite.distributed import TopologyError
     from megatron_lite.distributed.collectives import CollectiveError, first_line
+    from megatron_lite.distributed.cpu_extensions import StaleBuildLock
     from megatron_lite.spikes import SpikeStop
+    from megatron_lite.training.control import Stopped, stop_on_signals
     from megatron_lite.training.run import run
 
+    stop_on_signals()
     try:
         run(cfg)
+    except Stopped as e:
+        print(f"error: stopped by {e} (a signal saves a checkpoint only once training runs, with "
+              "checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", file=sys.stderr)
+        return 128 + e.signum
     except TopologyError as e:
         _report_once(e)
         return 2
-    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # unexpected: the traceback for a report, then the one-line reason

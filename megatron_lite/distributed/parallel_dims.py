@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_lite.config.schema import Config
-from megatron_lite.distributed import collectives
+from megatron_lite.distributed import collectives, cpu_extensions
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.launcher_env import LaunchEnv
 
@@ -244,6 +244,9 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
     collectives.set_default_timeout(timeout)
     if not dist.is_initialized():
+        if acc.device_name() == "cpu":  # DeepSpeed builds its CPU communication op on first use
+            cpu_extensions.use_environment_extensions_dir()
+            cpu_extensions.wait_for_build(print if env.local_rank == 0 else (lambda _: None))
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),

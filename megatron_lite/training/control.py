@@ -20,6 +20,28 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class Stopped(BaseException):
+    """A signal arrived where the run cannot save and stop at a step boundary: during start-up,
+    or without ``checkpoint.save_on_signal``. It ends the run with the signal's name and exit
+    status 128 + N. (A BaseException, like KeyboardInterrupt: no ``except Exception`` swallows
+    it, and torch's JIT build still removes its lock on the way out.)"""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def stop_on_signals() -> None:
+    """Until ``RunControl`` takes over: a signal stops the run with a reason, not silently
+    (their default action kills the process with no word)."""
+    def stop(signum, _frame) -> None:
+        raise Stopped(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, stop)
+
+
 @dataclass
 class Decision:
     save: bool

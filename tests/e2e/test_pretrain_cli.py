@@ -1,12 +1,15 @@
 """pretrain.py as a user runs it: a subprocess from the repository root."""
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.conftest import REPO, char_overrides, check, cpu_env, read_metrics, run_pretrain
+from tests.conftest import REPO, char_overrides, check, cpu_env, pretrain_command, read_metrics, run_pretrain
 
 RECIPE = "recipes/shakespeare-char.yaml"
 
@@ -126,3 +129,35 @@ def test_blend_of_two_datasets_trains_and_reuses_its_index_cache(tmp_path, sp_da
     assert len(manifests) == 6  # train and validation indices of each dataset, two blend orders
     check(run_pretrain(args))
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.json")) == manifests
+
+
+def test_a_stale_deepspeed_build_lock_is_named_not_waited_on(tmp_path):
+    """A build of DeepSpeed's CPU op stopped midway leaves torch's lock file; torch would wait for
+    it forever in silence. The run stops at once, naming the file and the fix."""
+    ext = tmp_path / "ext"
+    build = ext / "deepspeed_shm_comm"
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    old = time.time() - 3600
+    os.utime(build / "lock", (old, old))
+    os.utime(build, (old, old))
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path)], env={"TORCH_EXTENSIONS_DIR": str(ext)},
+                        timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    reason = proc.stderr.strip().splitlines()[-1]
+    assert f"rm {build / 'lock'}" in reason and "left by a stopped build" in reason
+
+
+def test_a_signal_before_training_is_a_one_line_reason(tmp_path):
+    """SIGTERM while the run starts (here: while it builds its dataset) ends it with the signal
+    named and status 143, not a silent kill."""
+    proc = subprocess.Popen(pretrain_command([RECIPE, *char_overrides(tmp_path)]), cwd=REPO, env=cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "building dataset" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")

@@ -1,0 +1,103 @@
+"""DeepSpeed's CPU communication op (``deepspeed_shm_comm``): where it is built, building it
+ahead of a run, and never waiting silently on a build lock.
+
+On the CPU accelerator DeepSpeed compiles this op the first time a process group starts (about
+a minute on two cores), through torch's JIT extension builder. That builder serialises builds
+with a ``lock`` file and waits, without a word and without end, while the file exists; a run
+stopped in the middle of a build (SIGTERM, SIGKILL) leaves the file behind and every later run
+hangs. Torch offers no staleness check, so this module does it: a lock whose build directory has
+not changed for ``STALE_AFTER_S`` is reported with its path and the fix.
+
+``build()`` builds the op ahead of any run (``make install`` calls it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+OP = "deepspeed_shm_comm"
+STALE_AFTER_S = 300.0  # a build writes an object file at least every minute or two
+ANNOUNCE_EVERY_S = 30.0
+
+
+class StaleBuildLock(RuntimeError):
+    """A JIT build lock left by a stopped build."""
+
+
+def use_environment_extensions_dir() -> None:
+    """Unless ``TORCH_EXTENSIONS_DIR`` is set, build into this Python environment
+    (``sys.prefix/torch_extensions``) where that is writable. By default torch shares
+    ``~/.cache/torch_extensions`` between every environment of a Python version; two
+    environments (two checkouts, a CI clone) then rebuild the op in turn, each time under the
+    other's running processes."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    target = Path(sys.prefix) / "torch_extensions"
+    if os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(target)
+
+
+def build_directory() -> Path:
+    """Where torch builds (and finds) the op."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root) / OP
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    device = ("cpu" if torch.version.cuda is None and torch.version.hip is None
+              else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda
+              else f"rocm{torch.version.hip.replace('.', '')}")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{device}" / OP
+
+
+def _newest_change(directory: Path) -> float:
+    times = [directory.stat().st_mtime]
+    for entry in directory.iterdir():
+        try:
+            times.append(entry.stat().st_mtime)
+        except FileNotFoundError:  # removed by the build meanwhile
+            pass
+    return max(times)
+
+
+def wait_for_build(log: Callable[[str], None], stale_after: float = STALE_AFTER_S, poll: float = 1.0,
+                   announce_every: float = ANNOUNCE_EVERY_S) -> None:
+    """Before DeepSpeed loads the op: say when it will be built, wait (saying so) while another
+    process builds it, and stop with the lock's path and the fix when the lock is stale."""
+    directory = build_directory()
+    lock = directory / "lock"
+    if not (directory / f"{OP}.so").exists() and not lock.exists():
+        log(f"building DeepSpeed's CPU communication op {OP} in {directory} (once per environment; "
+            "about a minute; `make install` builds it ahead)")
+    announced = None
+    while lock.exists():
+        try:
+            idle = time.time() - _newest_change(directory)
+        except FileNotFoundError:
+            break
+        if idle > stale_after:
+            raise StaleBuildLock(
+                f"{lock} is a build lock left by a stopped build of DeepSpeed's {OP} (nothing in "
+                f"{directory} has changed for {idle / 60:.0f} min); no build is running: remove it "
+                f"(rm {lock}) and start again")
+        if announced is None or time.time() - announced > announce_every:
+            log(f"waiting for another process's build of DeepSpeed's {OP} to finish ({lock})")
+            announced = time.time()
+        time.sleep(poll)
+
+
+def build() -> None:
+    """Build the op now (as a run would, into the same directory)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    use_environment_extensions_dir()
+    wait_for_build(print)
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ShareMemCommBuilder().load()
+    print(f"DeepSpeed's {OP} is built in {build_directory()}")
