@@ -279,13 +279,17 @@ def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
 
     In this order a crash at any moment leaves ``latest`` naming a directory that exists (first
     the old newest, then ``keep``); the other order had a window where it named a moved one."""
+    newer = [p for p in committed_steps(root) if p.name > keep.name]
+    try:
+        if not newer and read_latest(root) == keep:
+            return []  # nothing to do: no write
+    except CheckpointError:
+        pass  # a garbage pointer: rewritten below
     write_bytes_durably(root / LATEST, (keep.name + "\n").encode())
     fsync_dir(root)
     moved = []
     aside = root / "abandoned"
-    for path in committed_steps(root):
-        if path.name <= keep.name:
-            continue
+    for path in newer:
         aside.mkdir(exist_ok=True)
         target = aside / f"{path.name}-{reason}"
         shutil.rmtree(target, ignore_errors=True)
