@@ -353,15 +353,16 @@ class Checkpointer:
     def _schedule_to_follow(self, saved: dict | None, running: LRSchedule, step: int, path: Path,
                             resuming: bool) -> LRSchedule:
         """The learning-rate schedule to go on with: the running one (the recipe's, at a resume),
-        unless a resumed checkpoint's differs — then ``schedule.on_resume`` decides, as
+        unless a resumed checkpoint's gives another rate at some step still to come — then
+        ``schedule.on_resume`` decides, as
         Megatron-LM's --use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler do;
         by default the run is refused rather than mix two schedules. (Every rank reads the same
         rank-0 state, so every rank decides alike.)"""
         if saved is None or not resuming:  # a rollback continues the run's own schedule
             return running
         theirs = LRSchedule(**saved)
-        if theirs == running:
-            return running
+        if theirs == running or theirs.same_rates_from(running, step):
+            return running  # no step from here on would get another rate
         diff = "; ".join(theirs.differences(running))
         mode = self.cfg.schedule.on_resume
         if mode == "check":

@@ -48,6 +48,14 @@ class LRSchedule:
         return [f"{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}" for f in fields(self)
                 if getattr(self, f.name) != getattr(other, f.name)]
 
+    def same_rates_from(self, other: LRSchedule, step: int) -> bool:
+        """Whether both give the same rate at every step from ``step`` on (past both decay ends
+        each is flat at its ``min_lr``): schedules that differ only where the run has already
+        been (a longer run still inside the warm-up, say) are the same from here."""
+        end = max(self.decay_end, other.decay_end, self.warmup_iters, other.warmup_iters) + 1
+        return all(math.isclose(self.at(s), other.at(s), rel_tol=1e-12, abs_tol=0.0)
+                   for s in range(step, max(end, step + 1) + 1))
+
     def to_dict(self) -> dict:
         return asdict(self)
 

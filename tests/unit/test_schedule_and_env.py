@@ -72,3 +72,19 @@ def test_master_address_from_pbs_nodefile(tmp_path):
 def test_single_process_defaults():
     e = detect({})
     assert (e.rank, e.world_size, e.launcher) == (0, 1, "none") and e.master_port > 0
+
+
+def test_schedules_that_differ_only_in_the_past_give_the_same_rates_from_here():
+    from megatron_lite.training.schedule import LRSchedule
+
+    short = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=100, decay_style="cosine", decay_end=200)
+    longer = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=100, decay_style="cosine", decay_end=400)
+    assert short.differences(longer) == ["decay_end 200 -> 400"]
+    assert not short.same_rates_from(longer, 50)  # the decays differ after the warm-up
+    # 3 or 6 steps inside a 100-step warm-up (then min_lr in both): the same rates throughout.
+    in_warmup = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=100, decay_style="cosine", decay_end=6)
+    assert in_warmup.same_rates_from(LRSchedule(1.0, 0.1, 100, "cosine", 3), 3)
+    # Flat at min_lr from step 10 on in both: only the past differs.
+    a = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_style="linear", decay_end=8)
+    b = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_style="cosine", decay_end=8)
+    assert not a.same_rates_from(b, 3) and a.same_rates_from(b, 8)
