@@ -85,9 +85,9 @@ def test_one_process_takes_every_collective_path_of_two(tmp_path):
             assert rep["groups"] and {g["timeout_s"] for g in rep["groups"]} == {180.0}, rep["groups"]
             assert {c["role"] for c in rep["calls"]} <= {HOST_ROLE, DEVICE_ROLE}
     sites = {site for _, _, site in paths[2]}
-    for expected in ("training/run.py:run", "training/step.py:_mean_loss", "training/control.py:decide",
-                     "checkpoint/checkpointer.py:_write_and_commit", "checkpoint/checkpointer.py:load",
-                     "checkpoint/checkpointer.py:save", "training/run.py:run"):
+    for expected in ("training/run.py:_run_on_groups", "training/step.py:_mean_loss",
+                     "training/control.py:decide", "checkpoint/checkpointer.py:_write_and_commit",
+                     "checkpoint/checkpointer.py:load", "checkpoint/checkpointer.py:save"):
         assert expected in sites, (expected, sorted(sites))
     assert paths[1] == paths[2], {"only with 2": sorted(paths[2] - paths[1]),
                                   "only with 1": sorted(paths[1] - paths[2])}
@@ -182,6 +182,6 @@ def test_ranks_wait_for_the_dataset_build_longer_than_a_collective(tmp_path):
     rank 1 waits in it for distributed.setup_timeout_minutes, not the 15 s collective timeout."""
     proc = run_pretrain([*_args(tmp_path), "training.iters=2", f"logging.dir={tmp_path}/run",
                          "distributed.timeout_minutes=0.25"], nproc=2,
-                        env={"DIST_HARNESS_STALL": "0:run:1:25"})
+                        env={"DIST_HARNESS_STALL": "0:_run_on_groups:1:25"})
     check(proc)
-    assert "[harness] rank 0 stalls 25 s before barrier in training/run.py:run" in proc.stdout
+    assert "[harness] rank 0 stalls 25 s before barrier in training/run.py:_run_on_groups" in proc.stdout
