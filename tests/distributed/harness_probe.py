@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import collectives, detect, init_distributed
+from megatron_lite.distributed.parallel_dims import shutdown_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dims.rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    # Every rank done before any tears its groups down (one rank's teardown under a peer still
+    # in gloo can abort that peer), as shutdown_distributed does for a run.
+    shutdown_distributed(dims)
 
 
 if __name__ == "__main__":

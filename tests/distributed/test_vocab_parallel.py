@@ -28,6 +28,7 @@ def _worker(rank: int, world: int, used: int, init_file: str, results) -> None:
     # As numpy arrays: pickled by value. A torch tensor would travel as a file descriptor that
     # the parent fetches from this process, which may have exited by then.
     results.put((rank, losses.detach().numpy(), local.grad.numpy()))
+    dist.barrier()  # every rank done before any tears its groups down
     dist.destroy_process_group()
 
 
