@@ -323,9 +323,10 @@ class Checkpointer:
         return next((p for p in all_gather_object(problem, self.dims, "verifying the checkpoint") if p),
                     None)
 
-    def _first_valid(self, candidates: list[tuple[Path, dict]], strict: bool) -> tuple[Path, dict] | None:
+    def _first_valid(self, candidates: list[tuple[Path, dict]], strict: bool,
+                     required: bool = True) -> tuple[Path, dict] | None:
         """Collective: the first candidate whose files all verify. ``strict``: a bad one is an
-        error (on every rank) rather than skipped."""
+        error (on every rank) rather than skipped; ``required``: so is finding none among them."""
         for path, manifest in candidates:
             problem = self._verify_shared(path, manifest)
             if problem is None:
@@ -334,7 +335,7 @@ class Checkpointer:
                 raise CheckpointError(f"cannot resume: {problem}. Set checkpoint.load_fallback=true "
                                       "to resume from the newest valid checkpoint instead")
             self.log(f"warning: skipping {path}: {problem}")
-        if candidates:
+        if candidates and required:
             raise CheckpointError(f"no valid checkpoint in {self.root}")
         return None
 
@@ -418,12 +419,11 @@ class Checkpointer:
                 if manifest["step"] <= newest_step:
                     candidates.append((path, manifest))
         candidates = broadcast_object(candidates, self.dims, "the rollback candidates")
-        for path, manifest in candidates:
-            problem = self._verify_shared(path, manifest)
-            if problem is None:
-                return path, manifest["step"], manifest["consumed_samples"]
-            self.log(f"warning: not rolling back to {path}: {problem}")
-        return None
+        found = self._first_valid(candidates, strict=False, required=False)
+        if found is None:
+            return None
+        path, manifest = found
+        return path, manifest["step"], manifest["consumed_samples"]
 
     def abandon_after(self, path: Path, reason: str) -> list[Path]:
         """Collective. Make ``path`` the latest checkpoint: newer ones are moved (not deleted)

@@ -42,7 +42,9 @@ def use_environment_extensions_dir() -> None:
 
 
 def build_directory() -> Path:
-    """Where torch builds (and finds) the op."""
+    """Where torch builds (and finds) the op. Torch computes this only in a private function
+    (``cpp_extension._get_build_directory``, which also creates the folder); this mirrors its
+    public parts: ``TORCH_EXTENSIONS_DIR``, else the default root and a python/device folder."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root) / OP

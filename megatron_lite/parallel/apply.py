@@ -166,21 +166,6 @@ def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str,
     return module
 
 
-def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
-                         partition: str = "parameters") -> nn.Module:
-    """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
-    ``PipelineModule`` holding this stage's layers."""
-    if dims.pipeline > 1:
-        from megatron_lite.parallel.pipeline import build_pipeline
-
-        return build_pipeline(cfg, dims, device, seed, partition)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tag_names(model)
-    parallelize(model, dims)
-    return materialize(model, cfg, device, seed)
-
-
 def compile_blocks(module: nn.Module, backend: str) -> int:
     """``torch.compile`` every transformer block in place (parameter names unchanged), and on
     accelerators the softmax-gradient pass of the output layer's fused loss; returns how many

@@ -69,7 +69,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
 def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]:
     """DeepSpeed keys whose meaning the recipe already states elsewhere: dotted key -> (the
     recipe's value in DeepSpeed's terms, where the recipe states it)."""
-    return {
+    owned = {
         "train_batch_size": (dims.global_batch(cfg), "training.global_batch_size"),
         "train_micro_batch_size_per_gpu": (cfg.training.micro_batch_size, "training.micro_batch_size"),
         "gradient_accumulation_steps": (
@@ -77,11 +77,13 @@ def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]
             "training.global_batch_size / (micro_batch_size × data-parallel size)"),
         "gradient_clipping": (cfg.optimizer.grad_clip, "optimizer.grad_clip"),
         "zero_optimization.stage": (zero_stage(cfg), "parallel.zero_stage / parallel.hsdp"),
-        "zero_optimization.zero_hpz_partition_size": (dims.hsdp_shard_size or None,
-                                                      "parallel.hsdp_shard_size"),
         "bf16.enabled": (cfg.training.precision == "bf16", "training.precision"),
         "fp16.enabled": (cfg.training.precision == "fp16", "training.precision"),
     }
+    if dims.hsdp_shard_size:  # without HSDP, ZeRO++ hpZ is the deepspeed: block's own choice
+        owned["zero_optimization.zero_hpz_partition_size"] = (dims.hsdp_shard_size,
+                                                              "parallel.hsdp_shard_size")
+    return owned
 
 
 def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
@@ -91,10 +93,9 @@ def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
     silent winner would leave the logged config, the planner and the checkpoints describing
     another run than the one DeepSpeed executes."""
     problems = []
-    for name in ("optimizer", "scheduler"):
+    for name, section in (("optimizer", "optimizer"), ("scheduler", "schedule")):
         if name in extra:
-            problems.append(f"deepspeed.{name}: the {name} is built from the recipe's "
-                            f"{'optimizer' if name == 'optimizer' else 'schedule'}: section")
+            problems.append(f"deepspeed.{name}: the {name} is built from the recipe's {section}: section")
     for dotted, (value, source) in _owned_values(cfg, dims).items():
         *parents, leaf = dotted.split(".")
         block = extra
@@ -103,8 +104,6 @@ def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
         if not isinstance(block, dict) or leaf not in block:
             continue
         given = block[leaf]
-        if dotted == "zero_optimization.zero_hpz_partition_size" and value is None:
-            continue  # ZeRO++ hpZ on a ZeRO-3 run: the recipe says nothing about it
         if given == value or (isinstance(value, float) and isinstance(given, (int, float))
                               and float(given) == value):
             del block[leaf]
