@@ -31,8 +31,7 @@ from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.model.transformer import ffn_hidden_size
-from megatron_lite.training.schedule import LRSchedule, ScheduledLR
+from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
 # any of them is refused (checkpoint.strict_model=false overrides).
@@ -46,8 +45,8 @@ def architecture(cfg: ModelConfig) -> dict:
     are zero, so a checkpoint moves between sizes exactly."""
     out = {k: getattr(cfg, k) for k in ARCHITECTURE}
     out["vocab_size"] = cfg.tokenizer_vocab_size or cfg.vocab_size
-    out["n_kv_heads"] = cfg.n_kv_heads or cfg.n_heads
-    out["ffn_hidden"] = ffn_hidden_size(cfg)
+    out["n_kv_heads"] = cfg.kv_heads
+    out["ffn_hidden"] = cfg.mlp_hidden
     return out
 
 
@@ -107,11 +106,9 @@ class Checkpointer:
         raise_together(error, self.dims, "claiming the checkpoint directory")
 
     def _topology(self) -> dict:
-        from megatron_lite.training.engine import zero_stage
-
         d = self.dims
         return {"world_size": d.world_size, "tensor": d.tensor, "pipeline": d.pipeline, "data": d.data,
-                "ulysses": d.ulysses, "zero_stage": zero_stage(self.cfg)}
+                "ulysses": d.ulysses, "zero_stage": self.cfg.parallel.deepspeed_zero_stage}
 
     # ---------------------------------------------------------------- save
     def _rank_state(self, step: int, extra: dict | None) -> dict:

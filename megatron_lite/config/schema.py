@@ -118,6 +118,28 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
 
+    # Sizes derived from the fields above, computed here once for every module that needs them.
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``n_kv_heads``, or ``n_heads`` without grouped-query attention)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """MLP inner size: ``ffn_hidden``, else 4·d for GELU and Llama's 2/3·4·d rounded up to
+        ``ffn_multiple`` for SwiGLU."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "gelu":
+            return 4 * self.d_model
+        hidden = int(2 * 4 * self.d_model / 3)
+        return -(-hidden // self.ffn_multiple) * self.ffn_multiple
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -143,6 +165,11 @@ class ParallelConfig:
     ``hsdp_shard_size`` ranks (ZeRO++ hierarchical partitioning). Needs ``zero_stage`` 3 or 0."""
     hsdp_shard_size: Optional[int] = None
     """Ranks in one HSDP shard group; null means the ranks of one node."""
+
+    @property
+    def deepspeed_zero_stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs: HSDP is ZeRO-3."""
+        return 3 if self.hsdp else self.zero_stage
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,13 @@ def validate(cfg: Config) -> list[str]:
     if m.n_heads >= 1:
         need(m.d_model % m.n_heads == 0,
              f"'model.d_model' = {m.d_model} must be divisible by 'model.n_heads' = {m.n_heads}")
-        kv = m.n_kv_heads or m.n_heads
+        kv = m.kv_heads
         need(kv >= 1 and m.n_heads % kv == 0,
              f"'model.n_heads' = {m.n_heads} must be divisible by 'model.n_kv_heads' = {kv}")
         if m.position == "rope" and m.d_model % m.n_heads == 0:
-            need((m.d_model // m.n_heads) % 2 == 0,
+            need(m.head_dim % 2 == 0,
                  f"rope needs an even head size; 'model.d_model'/'model.n_heads' = "
-                 f"{m.d_model // m.n_heads}")
+                 f"{m.head_dim}")
     if m.max_seq_len is not None:
         need(m.max_seq_len >= d.seq_length,
              f"'model.max_seq_len' = {m.max_seq_len} is shorter than 'data.seq_length' = "
@@ -155,7 +155,7 @@ def _parallel_problems(cfg: Config) -> list[str]:
     out: list[str] = []
     if min(p.tensor, p.pipeline, p.ulysses, m.n_heads, m.n_layers) < 1:
         return out  # reported above
-    kv = m.n_kv_heads or m.n_heads
+    kv = m.kv_heads
     for key, size in [("parallel.tensor", p.tensor), ("parallel.ulysses", p.ulysses)]:
         if m.n_heads % size or kv % size:
             out.append(f"'model.n_heads' = {m.n_heads} and 'model.n_kv_heads' = {kv} must both be "

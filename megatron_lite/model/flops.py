@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.model.transformer import ffn_hidden_size
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -17,9 +16,9 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul for every token: all blocks, the final norm and the
     output layer. Input embeddings (token, position) are lookups, not matmuls, so they are left
     out; a tied output layer still costs its matmul and is counted."""
-    d, kv_heads = cfg.d_model, cfg.n_kv_heads or cfg.n_heads
+    d, kv_heads = cfg.d_model, cfg.kv_heads
     head_dim = d // cfg.n_heads
-    ffn = ffn_hidden_size(cfg)
+    ffn = cfg.mlp_hidden
     bias = int(cfg.bias)
     qkv_out = (cfg.n_heads + 2 * kv_heads) * head_dim
     attn = d * qkv_out + bias * qkv_out + cfg.n_heads * head_dim * d + bias * d

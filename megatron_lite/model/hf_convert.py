@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.model.transformer import VOCAB_PARAMETERS, ffn_hidden_size
+from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 StateDict = dict[str, torch.Tensor]
 
@@ -153,13 +153,13 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
         cfg = dataclasses.replace(cfg, vocab_size=used)
     if cfg.position == "learned":
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-                            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=ffn_hidden_size(cfg),
+                            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.mlp_hidden,
                             layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new")
         return hf_cfg, gpt2_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn_hidden_size(cfg),
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_seq_len,
+        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
         tie_word_embeddings=cfg.tie_embeddings,
     )

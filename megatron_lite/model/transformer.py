@@ -49,16 +49,6 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ..
     return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
 
-def ffn_hidden_size(cfg: ModelConfig) -> int:
-    """MLP inner size: 4·d for GELU; Llama's 2/3·4·d rounded up to ``ffn_multiple`` for SwiGLU."""
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    if cfg.activation == "gelu":
-        return 4 * cfg.d_model
-    hidden = int(2 * 4 * cfg.d_model / 3)
-    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """(..., D) -> (..., D). Normalised in fp32 (bf16 sums of squares lose too much), scaled in
     the input dtype: Llama's numerics, in torch's fused kernel."""
@@ -130,8 +120,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
         # Separate projections: on CPU a fused [q|k|v] matmul saves less than the backward's
         # concatenation of its gradients costs, and the tensor-parallel step shards each alike.
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
@@ -153,7 +143,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        hidden = ffn_hidden_size(cfg)
+        hidden = cfg.mlp_hidden
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.activation == "swiglu" else None
         self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
@@ -217,7 +207,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -237,7 +227,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_buffers(self) -> None:
         if self.rope_cos is not None and self.rope_cos.device.type != "meta":
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
                                    self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)

@@ -83,7 +83,7 @@ class BlockStage(_Stage):
 
     def reset_buffers(self) -> None:
         if self.cfg.position == "rope":
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
                                    self.cfg.rope_theta)
             device = next(self.parameters()).device
             self.rope = (cos.to(device), sin.to(device))

@@ -38,7 +38,6 @@ from megatron_lite.distributed.device import DeviceSpec
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.flops import flops_per_token
 from megatron_lite.model.loss import chunk_rows, compiles_softmax_pass
-from megatron_lite.model.transformer import ffn_hidden_size
 
 GB = 1e9
 
@@ -65,8 +64,8 @@ class ParameterCounts:
 def parameter_counts(m: ModelConfig) -> ParameterCounts:
     """Parameters of a resolved model config (vocabulary known), by part."""
     assert m.vocab_size is not None
-    d, kv_heads = m.d_model, m.n_kv_heads or m.n_heads
-    head_dim, ffn, bias = d // m.n_heads, ffn_hidden_size(m), int(m.bias)
+    d, kv_heads = m.d_model, m.kv_heads
+    head_dim, ffn, bias = m.head_dim, m.mlp_hidden, int(m.bias)
     qkv = (m.n_heads + 2 * kv_heads) * head_dim
     attn = d * qkv + bias * qkv + m.n_heads * head_dim * d + bias * d
     n_in = 2 if m.activation == "swiglu" else 1
@@ -135,8 +134,8 @@ def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute:
     b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / dims.ulysses, m.d_model
     t = dims.tensor
     width = 4 if cfg.training.precision == "fp32" else 2
-    h_kv = (m.n_kv_heads or m.n_heads) * (h // m.n_heads)
-    ffn = ffn_hidden_size(m)
+    h_kv = m.kv_heads * m.head_dim
+    ffn = m.mlp_hidden
     sp = t if dims.sequence_parallel else 1
     if recompute:
         return width * s * b * h / sp
@@ -180,7 +179,6 @@ def output_layer_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, device_t
 
 def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: int) -> Plan:
     """The plan of ``cfg`` (model resolved) on ``world_size`` ranks, ``gpus_per_node`` per node."""
-    from megatron_lite.training.engine import zero_stage
 
     dims = ParallelDims.plan(cfg, world_size, local_world_size=gpus_per_node)
     counts = parameter_counts(model)
@@ -200,7 +198,7 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
 
     mixed = cfg.training.precision != "fp32"
     w_bytes, g_bytes, o_bytes = (2, 2, 12) if mixed else (4, 4, 8)
-    stage, shard = zero_stage(cfg), dims.data * dims.ulysses
+    stage, shard = cfg.parallel.deepspeed_zero_stage, dims.data * dims.ulysses
     weights = p * w_bytes / (shard if stage >= 3 else 1)
     grads = p * g_bytes / (shard if stage >= 2 else 1)
     optimizer = p * o_bytes / (shard if stage >= 1 else 1)

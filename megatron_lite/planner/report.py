@@ -6,7 +6,6 @@ from megatron_lite.config.schema import Config
 from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import resolve_model
 from megatron_lite.planner.estimate import GB, estimate, fits, step_time
-from megatron_lite.training.engine import zero_stage
 
 ASSUMED_VOCAB = 32000
 
@@ -44,7 +43,7 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         f"{spec.memory_gb:g} GB and {(spec.fp32 if t.precision == 'fp32' else spec.bf16) / 1e12:g} "
         "TFLOP/s peak each",
         f"layout: tensor {d.tensor}{' + sequence parallel' if d.sequence_parallel else ''} × pipeline "
-        f"{d.pipeline} × ulysses {d.ulysses} × data {d.data}, ZeRO-{zero_stage(cfg)}"
+        f"{d.pipeline} × ulysses {d.ulysses} × data {d.data}, ZeRO-{cfg.parallel.deepspeed_zero_stage}"
         + (f" (HSDP, shard groups of {d.hsdp_shard_size})" if d.hsdp_shard_size else ""),
         f"batch: micro {t.micro_batch_size} × accumulation {plan.grad_accumulation} × data {d.data} = "
         f"{d.global_batch(cfg)} sequences of {cfg.data.seq_length} tokens ({plan.tokens_per_step:,} "

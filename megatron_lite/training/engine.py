@@ -9,9 +9,9 @@ from torch import nn
 
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.optim.optimizer import build_optimizer
+from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
-from megatron_lite.training.optimizer import build_optimizer
-from megatron_lite.training.schedule import LRSchedule, ScheduledLR
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
@@ -24,16 +24,12 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def zero_stage(cfg: Config) -> int:
-    """The ZeRO stage DeepSpeed runs: HSDP is ZeRO-3."""
-    return 3 if cfg.parallel.hsdp else cfg.parallel.zero_stage
-
-
 def trainer_clips_gradients(cfg: Config) -> bool:
     """True where DeepSpeed's plain-optimizer path (ZeRO 0, fp32) would clip but discard the
     norm; there the trainer clips itself so the norm can be logged (and spikes tracked). Not
     under pipelining, where DeepSpeed's engine owns the whole step."""
-    return zero_stage(cfg) == 0 and cfg.training.precision == "fp32" and cfg.parallel.pipeline == 1
+    p = cfg.parallel
+    return p.deepspeed_zero_stage == 0 and cfg.training.precision == "fp32" and p.pipeline == 1
 
 
 def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
@@ -44,7 +40,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": dims.grad_accumulation(cfg),
         "gradient_clipping": 0.0 if trainer_clips_gradients(cfg) else cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": zero_stage(cfg)},
+        "zero_optimization": {"stage": cfg.parallel.deepspeed_zero_stage},
         # bf16 needs no loss scaling, so DeepSpeed's per-tensor overflow scan (several kernels and a
         # host sync per parameter tensor) only duplicates the update gate (training/step.py),
         # which declines every step with a non-finite loss or gradient norm.
@@ -76,7 +72,7 @@ def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]
             dims.grad_accumulation(cfg),
             "training.global_batch_size / (micro_batch_size × data-parallel size)"),
         "gradient_clipping": (cfg.optimizer.grad_clip, "optimizer.grad_clip"),
-        "zero_optimization.stage": (zero_stage(cfg), "parallel.zero_stage / parallel.hsdp"),
+        "zero_optimization.stage": (cfg.parallel.deepspeed_zero_stage, "parallel.zero_stage / parallel.hsdp"),
         "bf16.enabled": (cfg.training.precision == "bf16", "training.precision"),
         "fp16.enabled": (cfg.training.precision == "fp16", "training.precision"),
     }
@@ -130,9 +126,9 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         # This pipeline engine sums the accumulation steps' gradients (see GAS_SCALING_ALWAYS):
         # average them through the loss; StepRunner reports the loss unscaled.
         model.loss_fn.train_scale = 1.0 / dims.grad_accumulation(cfg)
-    if dims.pipeline > 1 and zero_stage(cfg) == 0:
+    if dims.pipeline > 1 and cfg.parallel.deepspeed_zero_stage == 0:
         _keep_clipped_norm(engine)
-    if (dims.pipeline == 1 and zero_stage(cfg) == 0 and dims.data == 1 and dims.ulysses == 1
+    if (dims.pipeline == 1 and cfg.parallel.deepspeed_zero_stage == 0 and dims.data == 1 and dims.ulysses == 1
             and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
         # group of one: skip its flatten / all-reduce / unflatten of every gradient per step.

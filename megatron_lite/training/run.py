@@ -25,7 +25,7 @@ from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.deepspeed_versions import limitations as deepspeed_limitations
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine, deepspeed_config, zero_stage
+from megatron_lite.training.engine import build_engine, deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
 
 
@@ -122,7 +122,7 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
         n = compile_blocks(model, acc.get_compile_backend())
         log(f"torch.compile: {n} transformer block(s) on this rank, backend {acc.get_compile_backend()}")
     engine = build_engine(model, cfg, dims, iters, acc.device_name(), kernels.adamw)
-    for limitation in deepspeed_limitations(cfg.training.precision, zero_stage(cfg)):
+    for limitation in deepspeed_limitations(cfg.training.precision, cfg.parallel.deepspeed_zero_stage):
         log(f"warning: {limitation}")
 
     run_dir = Path(cfg.logging.dir)

@@ -21,7 +21,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims, shutdown_distr
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model, local_shards
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine, zero_stage
+from megatron_lite.training.engine import build_engine
 from megatron_lite.training.step import StepRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
         losses.append(mean_over_ranks(loss.item(), dims, "the loss"))
         norms.append(float(runner.grad_norm) if runner.grad_norm is not None else None)
     params = list(engine.module.parameters())
-    if zero_stage(cfg) == 3:
+    if cfg.parallel.deepspeed_zero_stage == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(params):

@@ -4,8 +4,8 @@ from megatron_lite.config import load_config
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import ParallelDims
 from megatron_lite.model import build_model
+from megatron_lite.optim.optimizer import param_groups
 from megatron_lite.training.engine import deepspeed_config
-from megatron_lite.training.optimizer import param_groups
 from megatron_lite.training.run import total_iters
 from tests.conftest import REPO
 

@@ -120,7 +120,7 @@ def test_habana_kernels_plug_into_the_seams_and_compute_the_same(monkeypatch):
 
     from megatron_lite.config.schema import OptimizerConfig
     from megatron_lite.distributed.parallel_dims import ParallelDims
-    from megatron_lite.training.optimizer import build_optimizer
+    from megatron_lite.optim.optimizer import build_optimizer
     from megatron_lite.training.step import clip_grad_norm
 
     fake = _FakeHabana

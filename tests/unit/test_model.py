@@ -7,7 +7,6 @@ import torch
 from megatron_lite.config import load_config
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
-from megatron_lite.model.transformer import ffn_hidden_size
 from tests.conftest import REPO
 
 
@@ -49,7 +48,7 @@ def test_flops_per_token_by_hand():
 
 
 def test_swiglu_hidden_matches_llama_rounding():
-    assert ffn_hidden_size(ModelConfig(d_model=4096, ffn_multiple=256)) == 11008
+    assert ModelConfig(d_model=4096, ffn_multiple=256).mlp_hidden == 11008
 
 
 def test_gqa_and_forward_shapes():

@@ -2,7 +2,7 @@ import pytest
 
 from megatron_lite.config.schema import OptimizerConfig, ScheduleConfig
 from megatron_lite.distributed.launcher_env import detect
-from megatron_lite.training.schedule import lr_at
+from megatron_lite.optim.schedule import lr_at
 
 OPT = OptimizerConfig(lr=1.0, min_lr=0.1)
 
@@ -75,7 +75,7 @@ def test_single_process_defaults():
 
 
 def test_schedules_that_differ_only_in_the_past_give_the_same_rates_from_here():
-    from megatron_lite.training.schedule import LRSchedule
+    from megatron_lite.optim.schedule import LRSchedule
 
     short = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=100, decay_style="cosine", decay_end=200)
     longer = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=100, decay_style="cosine", decay_end=400)

@@ -1,0 +1,1 @@
+"""The optimizer (AdamW, decay on matrices only) and the learning-rate schedule."""

@@ -1,0 +1,120 @@
+"""The package's layering, as ``docs/architecture.md``'s folder table states it: every import
+between folders is one the table allows, and no module imports itself back through others."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_lite"
+
+
+def allowed_imports() -> dict[str, set[str]]:
+    """folder -> the folders it may import, read from the table in docs/architecture.md."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| folder | holds | may import |", 1)[1].split("\n\n", 1)[0]
+    allowed: dict[str, set[str]] = {}
+    for row in table.strip().splitlines()[1:]:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        folder = cells[0].strip("`/")
+        rule = re.sub(r"\([^)]*\)", "", cells[-1]).split(";")[0].strip()
+        if rule == "nothing of ours":
+            allowed[folder] = set()
+        elif rule == "everything above":
+            allowed[folder] = set(allowed)
+        else:
+            allowed[folder] = {name.strip() for name in rule.split(",")}
+    return allowed
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules ``path`` imports, anywhere in the file (inside functions too):
+    ``from pkg import sub`` counts as importing the submodule ``pkg.sub``. Imports only for type
+    checkers (``if TYPE_CHECKING:``) are not run and do not count."""
+    out = set()
+    tree = ast.parse(path.read_text())
+    hidden = {id(n) for block in ast.walk(tree)
+              if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+              for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("megatron_lite")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_lite"):
+            assert node.level == 0, f"{path}: relative import"
+            subs = {f"{node.module}.{a.name}" for a in node.names} & set(known)
+            out |= subs or {node.module}
+            if subs and len(subs) < len(node.names):
+                out.add(node.module)
+    return out
+
+
+def folder_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_imports_between_folders_follow_the_table():
+    allowed = allowed_imports()
+    known = modules()
+    folders = {folder_of(m) for m in known} - {None}
+    assert folders == set(allowed), f"folders without a row in the table (or rows without a folder): " \
+                                    f"{sorted(folders ^ set(allowed))}"
+    wrong = []
+    for name, path in known.items():
+        mine = folder_of(name)
+        for target in imports_of(path, known):
+            theirs = folder_of(target)
+            if mine and theirs and theirs != mine and theirs not in allowed[mine]:
+                wrong.append(f"{name} imports {target} ({mine}/ may import {sorted(allowed[mine])})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_model_code_never_touches_torch_distributed():
+    users = [p for p in (PACKAGE / "model").rglob("*.py") if "torch.distributed" in p.read_text()]
+    assert not users, users
+
+
+def test_no_import_cycles():
+    known = modules()
+    graph = {name: {t for t in imports_of(path, known) if t in known and t != name}
+             for name, path in known.items()}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_layering_checks_see_a_bad_import(tmp_path):
+    """The parser finds imports inside functions and ``from pkg import submodule`` forms."""
+    known = modules()
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from megatron_lite.training import trainer\n"
+                     "import megatron_lite.config.schema\n"
+                     "if TYPE_CHECKING:\n    from megatron_lite.data import indexed\n")
+    assert imports_of(probe, known) == {"megatron_lite.training.trainer", "megatron_lite.config.schema"}
