@@ -98,6 +98,14 @@ class ParallelDims:
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
+        if self.pipeline > 1:
+            # The first and last stage of each pipeline (Megatron's embedding group): the two
+            # copies of a tied embedding sum their gradients over it.
+            for ranks in self.group_ranks(("pipeline",)):
+                ends = [ranks[0], ranks[-1]]
+                group = dist.new_group(ends, timeout=timeout)
+                if self.rank in ends:
+                    self.groups["embedding"] = group
         # Host-side agreement (errors, stop flags, votes, objects) over gloo: it never waits for
         # the accelerator, and NCCL/HCCL groups would refuse host tensors.
         self.groups["control"] = dist.new_group(timeout=timeout, backend="gloo")

@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    embedding: int
+    """Token (and learned position) embeddings."""
+    block: int
+    """One transformer block."""
+    block_norms: int
+    """The norms' share of ``block`` (replicated under tensor parallelism)."""
+    head: int
+    """Final norm and, when not tied, the output layer."""
+    head_norm: int
+    """The final norm's share of ``head``."""
+    n_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.n_layers * self.block + self.head
+
+
+def parameter_counts(m: ModelConfig) -> ParameterCounts:
+    """Parameters of a resolved model config (vocabulary known), by part."""
+    assert m.vocab_size is not None
+    d, kv_heads = m.d_model, m.kv_heads
+    head_dim, ffn, bias = m.head_dim, m.mlp_hidden, int(m.bias)
+    qkv = (m.n_heads + 2 * kv_heads) * head_dim
+    attn = d * qkv + bias * qkv + m.n_heads * head_dim * d + bias * d
+    n_in = 2 if m.activation == "swiglu" else 1
+    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    embedding = m.vocab_size * d + (m.max_seq_len or 0) * d * (m.position == "learned")
+    head = norm + (0 if m.tie_embeddings else m.vocab_size * d)
+    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, norm, m.n_layers)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -16,18 +52,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul for every token: all blocks, the final norm and the
     output layer. Input embeddings (token, position) are lookups, not matmuls, so they are left
     out; a tied output layer still costs its matmul and is counted."""
-    d, kv_heads = cfg.d_model, cfg.kv_heads
-    head_dim = d // cfg.n_heads
-    ffn = cfg.mlp_hidden
-    bias = int(cfg.bias)
-    qkv_out = (cfg.n_heads + 2 * kv_heads) * head_dim
-    attn = d * qkv_out + bias * qkv_out + cfg.n_heads * head_dim * d + bias * d
-    n_in = 2 if cfg.activation == "swiglu" else 1  # gate and up, or up alone
-    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
-    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    per_layer = attn + mlp + 2 * norm
-    assert cfg.vocab_size is not None
-    return cfg.n_layers * per_layer + norm + cfg.vocab_size * d
+    counts = parameter_counts(cfg)
+    return counts.n_layers * counts.block + counts.head_norm + cfg.vocab_size * cfg.d_model
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:

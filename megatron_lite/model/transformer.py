@@ -191,7 +191,8 @@ class LMHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> logits (B, T, V), or the mean next-token loss when targets are given."""
+    """Token ids (B, T) -> logits (B, T, V), or the mean next-token loss when targets are given.
+    Parts set to None (a pipeline stage's) are skipped."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
@@ -201,7 +202,8 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # Keyed by index: a pipeline stage keeps some blocks under their own names.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.tokenizer_vocab_size)
         if cfg.tie_embeddings:
@@ -232,16 +234,28 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.tok_emb(tokens)  # (B, T, D)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(tokens.size(1), device=tokens.device))
-        x = self.drop(x)
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``x`` (B, T) -> logits (B, T, V), or the mean loss with targets.
+
+        A pipeline stage is this model with some parts removed (``parallel/pipeline.py``), and
+        runs the parts it has: after the first stage ``x`` is the hidden states (B, T, D) of the
+        one before; a stage before the last returns its hidden states, the last its normed ones
+        (its output layer is the pipeline's loss)."""
+        if self.tok_emb is not None:
+            positions = torch.arange(x.size(1), device=x.device)
+            x = self.tok_emb(x)  # (B, T, D)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+            x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
-        for block in self.blocks:
+        for block in self.blocks.values():
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
+        if self.norm is None:
+            return x  # (B, T, D) for the next pipeline stage
         x = self.norm(x)  # (B, T, D)
+        if self.lm_head is None:
+            return x
         return self.lm_head(x, targets)  # (B, T, V) logits, or the mean loss

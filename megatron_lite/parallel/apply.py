@@ -1,15 +1,10 @@
-"""The parallelize step: turns the plain model (built on the meta device) into this rank's part.
+"""The parallelize step: turns the plain model (built on the meta device, every parameter tagged
+with its plain-model name, ``ml_name``) into this rank's part, and ``materialize``, which gives
+it its weights (the order of a build: ``build.py``).
 
-Order of a build (``build_parallel_model``):
-1. the plain ``Transformer`` is built on ``meta`` (no memory) and every parameter is tagged with
-   its name in the plain model (``ml_name``);
-2. ``parallelize`` swaps in tensor-parallel slices, sequence-parallel communication and the
-   Ulysses attention; every swapped parameter records which slice of which plain one it is;
-3. with pipeline parallelism, ``pipeline.build_pipeline`` keeps only this stage's layers;
-4. ``materialize`` allocates the parameters on the device and fills each from
-   ``initial_value(name)`` (sliced where it is a slice): every layout starts from exactly the
-   weights of the single-process model, and no rank ever holds the whole model.
-At size 1 every step leaves the layer as it is.
+``parallelize`` swaps in tensor-parallel slices, sequence-parallel communication and the
+Ulysses attention; every swapped parameter records which slice of which plain one it is. At
+size 1 every step leaves the layer as it is.
 """
 
 from __future__ import annotations
@@ -83,6 +78,13 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
         mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, size)
         block.attn = TensorParallelRegion(attn, "o_proj", group, sp)
         block.mlp = TensorParallelRegion(mlp, "down_proj", group, sp)
+        # A parameter inside a region that is not sliced (a per-head norm, say) sees only this
+        # rank's heads or columns: its gradient is the sum over the tensor ranks. (The row-
+        # parallel bias is added after the region, to the reduced output.)
+        for inner, out in ((attn, attn.o_proj), (mlp, mlp.down_proj)):
+            for param in inner.parameters():
+                if not hasattr(param, "ml_shard") and param is not out.bias:
+                    comm.sum_gradient_over(param, group)
         if sp:
             # Norms and the row-parallel biases see a slice of the sequence on each rank.
             for module in (block.attn_norm, block.mlp_norm):
@@ -127,7 +129,7 @@ def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Param
 
 def parallelize(model: Transformer, dims: ParallelDims) -> Transformer:
     """Apply tensor, Megatron-sequence and Ulysses parallelism to a tagged meta model in place."""
-    for block in model.blocks:
+    for block in model.blocks.values():
         parallelize_block(block, dims)
     parallelize_embedding(model, dims)
     parallelize_head(model, dims, model.tok_emb.weight if model.cfg.tie_embeddings else None)

@@ -1,6 +1,12 @@
-"""One rank's part of the model, with or without pipeline stages: the one entry that picks
-between the plain parallelize step (``apply.py``) and pipeline stages (``pipeline.py``), so that
-neither of those imports the other's builder."""
+"""One rank's part of the model, with or without pipeline stages.
+
+The order of a build: the plain ``Transformer`` on the meta device (no memory), every parameter
+tagged with its name in the plain model; ``parallelize`` (tensor, Megatron-sequence and Ulysses
+parallelism); under pipeline parallelism ``keep_stage`` (this stage's parts only); then
+``materialize`` (this rank's slices on the device, each from the plain model's initial value of
+its name). Every layout starts from exactly the single-process weights, and no rank ever holds
+the whole model.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +15,22 @@ from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.model.flops import parameter_counts
 from megatron_lite.model.transformer import Transformer
 from megatron_lite.parallel.apply import materialize, parallelize, tag_names
-from megatron_lite.parallel.pipeline import build_pipeline
+from megatron_lite.parallel.pipeline import keep_stage, pipeline_module, stage_layers
 
 
 def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
                          partition: str = "parameters") -> nn.Module:
     """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
-    ``PipelineModule`` holding this stage's layers."""
-    if dims.pipeline > 1:
-        return build_pipeline(cfg, dims, device, seed, partition)
+    ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     tag_names(model)
     parallelize(model, dims)
-    return materialize(model, cfg, device, seed)
+    if dims.pipeline == 1:
+        return materialize(model, cfg, device, seed)
+    first, end, _ = stage_layers(parameter_counts(cfg), dims.pipeline, partition)[dims.pp_rank]
+    keep_stage(model, range(first, end), first=dims.pp_rank == 0, last=dims.pp_rank == dims.pipeline - 1)
+    return pipeline_module(materialize(model, cfg, device, seed), dims, cfg.tie_embeddings)

@@ -30,74 +30,16 @@ fragmentation, the CUDA context) — keep 10-20% free. FLOPs per token: ``model.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed.device import DeviceSpec
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.model.flops import flops_per_token
+from megatron_lite.model.flops import ParameterCounts, flops_per_token, parameter_counts
 from megatron_lite.model.loss import chunk_rows, compiles_softmax_pass
+from megatron_lite.parallel.pipeline import stage_layers
 
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    embedding: int
-    """Token (and learned position) embeddings."""
-    block: int
-    """One transformer block."""
-    block_norms: int
-    """The norms' share of ``block`` (replicated under tensor parallelism)."""
-    head: int
-    """Final norm and, when not tied, the output layer."""
-    head_norm: int
-    """The final norm's share of ``head``."""
-    n_layers: int
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.n_layers * self.block + self.head
-
-
-def parameter_counts(m: ModelConfig) -> ParameterCounts:
-    """Parameters of a resolved model config (vocabulary known), by part."""
-    assert m.vocab_size is not None
-    d, kv_heads = m.d_model, m.kv_heads
-    head_dim, ffn, bias = m.head_dim, m.mlp_hidden, int(m.bias)
-    qkv = (m.n_heads + 2 * kv_heads) * head_dim
-    attn = d * qkv + bias * qkv + m.n_heads * head_dim * d + bias * d
-    n_in = 2 if m.activation == "swiglu" else 1
-    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    embedding = m.vocab_size * d + (m.max_seq_len or 0) * d * (m.position == "learned")
-    head = norm + (0 if m.tie_embeddings else m.vocab_size * d)
-    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, norm, m.n_layers)
-
-
-def stage_layers(counts: ParameterCounts, pipeline: int, method: str) -> list[tuple[int, int, int]]:
-    """(first block, end block, parameters) of each pipeline stage, as DeepSpeed partitions the
-    layer list [embedding, blocks..., head] (``pipeline_partition``); a tied embedding is also
-    held by the last stage."""
-    layers = [counts.embedding, *([counts.block] * counts.n_layers), counts.head]
-    if pipeline == 1:
-        return [(0, counts.n_layers, counts.total)]
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the partitioner needs no device
-    from deepspeed.runtime import utils as ds_utils
-
-    if method == "parameters":
-        bounds = ds_utils.partition_balanced(layers, pipeline)
-    elif method == "uniform":
-        bounds = ds_utils.partition_uniform(len(layers), pipeline)
-    else:  # type:Block: the blocks evenly, embedding and head with the first and last stage
-        inner = ds_utils.partition_uniform(counts.n_layers, pipeline)
-        bounds = [0] + [b + 1 for b in inner[1:-1]] + [len(layers)]
-    stages = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        first, end = max(lo - 1, 0), min(hi - 1, counts.n_layers)
-        stages.append((first, max(end, first), sum(layers[lo:hi])))
-    return stages
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     if dims.pipeline > 1 and deepspeed_version() < GAS_SCALING_ALWAYS:
         # This pipeline engine sums the accumulation steps' gradients (see GAS_SCALING_ALWAYS):
         # average them through the loss; StepRunner reports the loss unscaled.
-        model.loss_fn.train_scale = 1.0 / dims.grad_accumulation(cfg)
+        model.train_scale = 1.0 / dims.grad_accumulation(cfg)
     if dims.pipeline > 1 and cfg.parallel.deepspeed_zero_stage == 0:
         _keep_clipped_norm(engine)
     if (dims.pipeline == 1 and cfg.parallel.deepspeed_zero_stage == 0 and dims.data == 1 and dims.ulysses == 1

@@ -101,8 +101,8 @@ class StepRunner:
         return total / count / self.grad_accum
 
     def _pipeline_scale(self) -> float:
-        """The factor the pipeline's training losses carry (parallel/pipeline.py PipelineLoss)."""
-        return getattr(self.engine.module.loss_fn, "train_scale", 1.0)
+        """The factor the pipeline's training losses carry (``train_scale``, parallel/pipeline.py)."""
+        return getattr(self.engine.module, "train_scale", 1.0)
 
     def _norm_now(self) -> float | None:
         """The global gradient norm DeepSpeed (or our clipping) computed for this step."""
