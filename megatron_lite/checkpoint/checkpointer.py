@@ -6,6 +6,7 @@ raised on every rank (nothing hangs), and a failed save leaves the previous chec
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
 import shutil
@@ -35,8 +36,7 @@ from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
 # any of them is refused (checkpoint.strict_model=false overrides).
-ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-                "activation", "norm", "position", "bias", "tie_embeddings", "rope_theta")
+ARCHITECTURE = ModelConfig.ARCHITECTURE
 
 
 def architecture(cfg: ModelConfig) -> dict:
@@ -338,8 +338,11 @@ class Checkpointer:
 
     def _check_architecture(self, manifest: dict, path: Path) -> None:
         saved, current = manifest["model"], architecture(self.model_cfg)
-        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, recipe {current[k]!r}"
-                for k in ARCHITECTURE if saved.get(k) != current[k]]
+        # A field added to the architecture after the checkpoint was written had its default.
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+        saved = {k: saved.get(k, defaults[k]) for k in ARCHITECTURE}
+        diff = [f"model.{k}: checkpoint {saved[k]!r}, recipe {current[k]!r}"
+                for k in ARCHITECTURE if saved[k] != current[k]]
         saved_length = manifest["data"]["seq_length"]
         if saved_length is not None and saved_length != self.cfg.data.seq_length:
             diff.append(f"data.seq_length: checkpoint {manifest['data']['seq_length']}, recipe "

@@ -8,7 +8,7 @@ the allowed values. Defaults live here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 def choice(default: Any, *allowed: Any) -> Any:
@@ -117,6 +117,12 @@ class ModelConfig:
     sqrt(2·n_layers) (GPT-2/Megatron scaled init)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "activation", "norm",
+        "position", "bias", "tie_embeddings", "rope_theta")
+    """The fields that change what the weights compute: checkpoints record them, and a recipe
+    that differs is refused at a resume (``checkpoint.strict_model``)."""
 
     # Sizes derived from the fields above, computed here once for every module that needs them.
     @property

@@ -274,3 +274,22 @@ def test_abandon_repoints_latest_before_moving_so_a_crash_midway_leaves_it_valid
     assert sorted(p.name for p in (tmp_path / "abandoned").iterdir()) == [
         "step_00000004-newer-than-latest", "step_00000006-rollback1"]
     assert any("newer than 'latest' was moved aside" in m for m in messages)
+
+
+def test_architecture_check_names_differences_and_reads_older_manifests(tmp_path):
+    from megatron_lite.checkpoint.checkpointer import architecture
+    from megatron_lite.model import resolve_model
+
+    chooser, _ = _chooser(tmp_path)
+    model = resolve_model(chooser.cfg.model, 65, chooser.cfg.data.seq_length)
+    chooser.model_cfg = model
+    manifest = {"model": architecture(model), "data": {"seq_length": chooser.cfg.data.seq_length}}
+    chooser._check_architecture(manifest, tmp_path)  # the same model
+    older = dict(manifest["model"])
+    del older["rope_theta"]  # written before the field was recorded: it had its default
+    assert model.rope_theta == type(model)().rope_theta
+    chooser._check_architecture({**manifest, "model": older}, tmp_path)
+    older["n_layers"] = model.n_layers + 1
+    with pytest.raises(CheckpointError, match=f"model.n_layers: checkpoint {model.n_layers + 1}, "
+                                              f"recipe {model.n_layers}"):
+        chooser._check_architecture({**manifest, "model": older}, tmp_path)
