@@ -110,6 +110,10 @@ class ModelConfig:
     """Biases in linear layers and LayerNorm."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
+    qk_norm: bool = False
+    """RMSNorm of every query and key head (one weight of ``head_dim`` each for queries and
+    keys) before RoPE, as Qwen3: keeps attention logits from growing, a known cause of loss
+    spikes. Exported to transformers as ``Qwen3ForCausalLM``."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -120,7 +124,7 @@ class ModelConfig:
 
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "activation", "norm",
-        "position", "bias", "tie_embeddings", "rope_theta")
+        "position", "bias", "tie_embeddings", "rope_theta", "qk_norm")
     """The fields that change what the weights compute: checkpoints record them, and a recipe
     that differs is refused at a resume (``checkpoint.strict_model``)."""
 

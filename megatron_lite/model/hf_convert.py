@@ -1,6 +1,7 @@
 """Hugging Face transformers <-> megatron_lite weight and config conversion (both directions).
 
-Supported: ``LlamaForCausalLM`` (incl. grouped-query attention) and ``GPT2LMHeadModel``.
+Supported: ``LlamaForCausalLM`` (incl. grouped-query attention), ``Qwen3ForCausalLM`` (Llama
+with per-head query/key norms: ``model.qk_norm``) and ``GPT2LMHeadModel``.
 Llama's layout matches ours name for name; GPT-2 fuses q/k/v into one ``Conv1D`` whose weights
 are stored transposed. RoPE uses the same half-split layout as HF's ``rotate_half``, so Llama
 q/k weights copy without permutation.
@@ -44,6 +45,18 @@ def llama_config_from_hf(hf: Any) -> ModelConfig:
     )
 
 
+def qwen3_config_from_hf(hf: Any) -> ModelConfig:
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError("Qwen3 configs with sliding-window attention are not supported")
+    if hf.head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ValueError(f"Qwen3 head_dim {hf.head_dim} × {hf.num_attention_heads} heads is not the "
+                         f"hidden size {hf.hidden_size}: this model's head width is d_model / n_heads")
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("Qwen3 configs with attention biases are not supported (its MLP has none; "
+                         "model.bias covers both)")
+    return dataclasses.replace(llama_config_from_hf(hf), qk_norm=True)
+
+
 def gpt2_config_from_hf(hf: Any) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.n_layer, n_heads=hf.n_head,
@@ -61,13 +74,17 @@ _LLAMA_LAYER = {
     "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
 }
 
+# Qwen3 is Llama with these.
+_QWEN3_QK_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     """Our parameter name -> HF's, for every parameter of a Llama-style model."""
     names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "lm_head.weight": "lm_head.weight"}
+    layer = {**_LLAMA_LAYER, **(_QWEN3_QK_NORMS if cfg.qk_norm else {})}
     for i in range(cfg.n_layers):
-        for ours, theirs in _LLAMA_LAYER.items():
+        for ours, theirs in layer.items():
             names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
             if cfg.bias and not ours.endswith("_norm"):
                 names[f"blocks.{i}.{ours}.bias"] = f"model.layers.{i}.{theirs}.bias"
@@ -75,14 +92,15 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def llama_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
-    """HF ``LlamaForCausalLM`` state dict -> ours (a tied model may omit ``lm_head.weight``)."""
+    """HF ``LlamaForCausalLM`` (or ``Qwen3ForCausalLM``) state dict -> ours (a tied model may
+    omit ``lm_head.weight``)."""
     sd = dict(sd)
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     return {ours: sd[theirs] for ours, theirs in _llama_names(cfg).items()}
 
 
 def llama_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
-    """Our state dict -> HF ``LlamaForCausalLM``."""
+    """Our state dict -> HF ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with ``qk_norm``)."""
     return {theirs: sd[ours] for ours, theirs in _llama_names(cfg).items()}
 
 
@@ -131,21 +149,26 @@ def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
 
 
 def from_hf(hf_model: Any) -> tuple[ModelConfig, StateDict]:
-    """Config and state dict of ours for a transformers ``LlamaForCausalLM``/``GPT2LMHeadModel``."""
+    """Config and state dict of ours for a transformers ``LlamaForCausalLM``/``Qwen3ForCausalLM``/
+    ``GPT2LMHeadModel``."""
     kind = hf_model.config.model_type
     sd = hf_model.state_dict()
     if kind == "llama":
         cfg = llama_config_from_hf(hf_model.config)
         return cfg, llama_from_hf(sd, cfg)
+    if kind == "qwen3":
+        cfg = qwen3_config_from_hf(hf_model.config)
+        return cfg, llama_from_hf(sd, cfg)
     if kind == "gpt2":
         cfg = gpt2_config_from_hf(hf_model.config)
         return cfg, gpt2_from_hf(sd, cfg)
-    raise ValueError(f"model type '{kind}' is not supported; choose a 'llama' or 'gpt2' model")
+    raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen3' or 'gpt2' model")
 
 
 def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateDict]:
-    """A transformers config and state dict for our model (Llama-style or GPT-2-style)."""
-    from transformers import GPT2Config, LlamaConfig
+    """A transformers config and state dict for our model (Llama-style, Qwen3-style with
+    ``qk_norm``, or GPT-2-style)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
     used = cfg.tokenizer_vocab_size or cfg.vocab_size
     if used < cfg.vocab_size:  # the padding rows are ours alone
@@ -156,6 +179,18 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
                             n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.mlp_hidden,
                             layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new")
         return hf_cfg, gpt2_to_hf(sd, cfg)
+    if cfg.qk_norm:
+        if (cfg.norm, cfg.activation, cfg.bias) != ("rmsnorm", "swiglu", False):
+            raise ValueError("a model with qk_norm exports as Qwen3, which needs model.norm=rmsnorm, "
+                             "model.activation=swiglu and model.bias=false")
+        hf_cfg = Qwen3Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
+            use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings,
+        )
+        return hf_cfg, llama_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,

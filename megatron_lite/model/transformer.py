@@ -4,7 +4,8 @@ Plain single-device PyTorch: no process groups, no DeepSpeed. Parallelism is app
 model by separate steps (``megatron_lite.parallel``), never inside it.
 
 Switches (``ModelConfig``): learned positions or RoPE; LayerNorm or RMSNorm; GELU or SwiGLU;
-biases; tied embeddings; grouped-query attention (``n_kv_heads < n_heads``).
+biases; tied embeddings; grouped-query attention (``n_kv_heads < n_heads``); per-head
+query/key norms (``qk_norm``, Qwen3).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        # Qwen3's per-head RMSNorm of queries and keys, before RoPE: bounds the attention logits.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CausalAttention(cfg.dropout)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
 
@@ -136,6 +140,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         y = self.core(q, k, v, rope)  # (B, T, H, hd)
         return self.o_proj(y.reshape(B, T, -1))  # (B, T, D)
 
