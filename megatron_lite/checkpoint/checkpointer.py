@@ -25,12 +25,12 @@ from megatron_lite.checkpoint.shards import (
     Fragment,
     load_fragments,
     local_fragments,
-    torch_optimizer,
 )
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
+from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 

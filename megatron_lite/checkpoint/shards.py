@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_lite.distributed import deepspeed_internals as ds
+from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
@@ -51,19 +53,11 @@ class Fragment:
 
 def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Parameter]:
     for p in module.parameters():
-        if getattr(p, "ds_pipe_replicated", False):
+        if ds.is_pipe_replicated(p):
             continue  # the copy of a tied weight on a later pipeline stage
         if not hasattr(p, "ml_shard") and dims.tp_rank != 0:
             continue  # replicated across tensor ranks: rank 0 writes it
         yield p
-
-
-def torch_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, bf16)."""
-    opt = engine.optimizer
-    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
-        opt = opt.optimizer
-    return opt
 
 
 def ensure_optimizer_state(engine) -> None:
@@ -73,7 +67,7 @@ def ensure_optimizer_state(engine) -> None:
     fused = bool(opt.defaults.get("fused"))
     flat = [p for group in opt.param_groups for p in group["params"]]
     # ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside param_groups.
-    flat += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+    flat += ds.zero3_flat_groups(engine)
     for p in flat:
         state = opt.state[p]
         if not state:
@@ -81,16 +75,7 @@ def ensure_optimizer_state(engine) -> None:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    zero = engine.optimizer
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
-
-
-def _zero3_range(p: nn.Parameter) -> tuple[int, int]:
-    size = p.ds_tensor.ds_numel
-    start = p.ds_tensor.ds_numel * p.ds_zero_partition_rank if hasattr(p, "ds_zero_partition_rank") else 0
-    return start, max(0, min(size, p.ds_numel - start))
+    ds.relink_optimizer_state(engine)
 
 
 def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
@@ -100,20 +85,20 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
     out: list[Fragment] = []
     plain_opt = None
     for p in _owned_parameters(module, dims):
-        shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+        shape = ds.full_shape(p)
         shard = getattr(p, "ml_shard", None)
-        if hasattr(p, "_hp_mapping"):  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
-            mapping = p._hp_mapping
+        if ds.has_hp_mapping(p):  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
+            mapping = ds.hp_mapping(p)
             if mapping is None:
                 continue
-            start = mapping.lp_fragment_address.start
+            start, _ = ds.hp_range(mapping)
             tensors = {"param": mapping.get_hp_fragment().detach().float().cpu().clone()}
             for key in STATE_KEYS:
                 tensors[key] = mapping.get_hp_fragment(key).detach().float().cpu().clone()
-        elif hasattr(p, "ds_id"):  # ZeRO 3
+        elif ds.is_zero3(p):
             from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
-            start, numel = _zero3_range(p)
+            start, numel = ds.zero3_range(p)
             if numel == 0:
                 continue
             tensors = {"param": safe_get_local_fp32_param(p)[:numel].detach().float().cpu().clone()}
@@ -167,7 +152,7 @@ class Assembler:
 def _fit_vocabulary(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """A vocabulary parameter saved with another padding (another tensor-parallel size): drop or
     add padding rows, which are zero (the tokenizer's rows match: the manifest says so)."""
-    shape = getattr(p, "ml_full_shape", None) or tuple(getattr(p, "ds_shape", p.shape))
+    shape = getattr(p, "ml_full_shape", None) or ds.full_shape(p)
     if p.ml_name not in VOCAB_PARAMETERS or tuple(full.shape) == tuple(shape):
         return full
     rows = shape[0]
@@ -194,26 +179,27 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
     for p in module.parameters():
         values = {key: _local_slice(p, assembler.full(p.ml_name, key)).reshape(-1)
                   for key in ("param", *STATE_KEYS)}
-        if hasattr(p, "_hp_mapping"):
-            mapping = p._hp_mapping
+        if ds.has_hp_mapping(p):
+            mapping = ds.hp_mapping(p)
             p.data.copy_(values["param"].view_as(p).to(p.dtype))
             if mapping is None:
                 continue
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            start, numel = ds.hp_range(mapping)
             mapping.get_hp_fragment().data.copy_(values["param"][start:start + numel])
             for key in STATE_KEYS:
                 mapping.get_hp_fragment(key).data.copy_(values[key][start:start + numel])
-        elif hasattr(p, "ds_id"):
+        elif ds.is_zero3(p):
             from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-            start, numel = _zero3_range(p)
+            start, numel = ds.zero3_range(p)
+            partition = ds.zero3_partition(p)
             padded = {}
             for key, value in values.items():
-                padded[key] = torch.zeros(p.ds_tensor.ds_numel, dtype=torch.float32)
+                padded[key] = torch.zeros(ds.zero3_padded_numel(p), dtype=torch.float32)
                 padded[key][:numel] = value[start:start + numel]
-                padded[key] = padded[key].to(p.ds_tensor.device)
+                padded[key] = padded[key].to(partition.device)
             safe_set_local_fp32_param(p, padded["param"])
-            p.ds_tensor.data.copy_(padded["param"].to(p.ds_tensor.dtype))
+            partition.data.copy_(padded["param"].to(partition.dtype))
             for key in STATE_KEYS:
                 safe_set_local_optimizer_state(p, padded[key], key)
         else:

@@ -1,12 +1,13 @@
 """Everything this project relies on that DeepSpeed (or torch) does not document as public.
 
 One place, so that a DeepSpeed upgrade that renames any of it fails here, loudly
-(tests/unit/test_deepspeed_internals.py pins every name below against the installed release),
+(tests/unit/test_deepspeed_internals.py pins every name in ``RELIED_ON`` against the installed
+release),
 instead of silently changing a gradient norm or a skipped update somewhere else.
 
 Parameter attributes DeepSpeed reads:
-- ``tensor_model_parallel`` / ``partition_dim``: a tensor-parallel slice, counted in the gradient
-  norm on every tensor rank;
+- ``tensor_model_parallel``: a tensor-parallel slice, counted in the gradient norm on every
+  tensor rank;
 - ``model_parallel``: counted on every rank it appears on (a replicated parameter is otherwise
   counted only on model-parallel rank 0, which under pipelining is the first stage alone);
 - ``ds_pipe_replicated``: a second copy (a tied weight on a later stage), counted once.
@@ -14,20 +15,50 @@ Parameter attributes DeepSpeed reads:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
 from megatron_lite.distributed.parallel_dims import ParallelDims
 
+# Every private name relied on, where the installed release must still have it (module, object
+# in it or None for the module itself, the name; ``=value`` to compare a constant's value).
+RELIED_ON = (
+    ("torch.optim.lr_scheduler", None, "_wrapped_by_lr_sched"),
+    ("torch.optim.lr_scheduler", None, "_opt_called"),
+    ("deepspeed.runtime.constants", "PIPE_REPLICATED", "=ds_pipe_replicated"),
+    ("deepspeed.runtime.utils", "is_model_parallel_parameter", "model_parallel"),
+    ("deepspeed.runtime.utils", "is_model_parallel_parameter", "tensor_model_parallel"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_global_grad_norm"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_global_grad_norm"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer",
+     "_lazy_init_hp_params_optimizer_state"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_hp_optimizer_states_linked"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_global_grad_norm"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_lazy_init_hp_params_optimizer_state"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_global_grad_norm"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_tensor"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_numel"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_shape"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_id"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_zero_partition_rank"),
+    ("deepspeed.utils.mixed_precision_linkage", None, "_hp_mapping"),
+    ("deepspeed.utils.tensor_fragment", "tensor_fragment", "lp_fragment_address"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups"),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine", "get_tied_weights_and_groups"),
+)
+
 TENSOR_PARALLEL = "tensor_model_parallel"
-PARTITION_DIM = "partition_dim"
 MODEL_PARALLEL = "model_parallel"
 PIPE_REPLICATED = "ds_pipe_replicated"
 
 
-def mark_tensor_parallel(param: nn.Parameter, dim: int) -> None:
-    """``param`` is a slice along ``dim`` of a tensor-parallel layer."""
+def mark_tensor_parallel(param: nn.Parameter) -> None:
+    """``param`` is a slice of a tensor-parallel layer."""
     setattr(param, TENSOR_PARALLEL, True)
-    setattr(param, PARTITION_DIM, dim)
 
 
 def is_pipe_replicated(param: nn.Parameter) -> bool:
@@ -44,3 +75,112 @@ def mark_pipeline_parameters(pipe: nn.Module, dims: ParallelDims, tied_copy: nn.
         setattr(p, PIPE_REPLICATED, p is tied_copy)
         if dims.tp_rank == 0:
             setattr(p, MODEL_PARALLEL, True)
+
+
+# ---------------------------------------------------------------- the optimizer and its update
+def torch_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, bf16): each keeps the one it wraps
+    as ``.optimizer``."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def install_update_gate(opt: torch.optim.Optimizer, gated: Callable) -> None:
+    """Replace ``opt.step`` by ``gated`` (which calls the original or declines). torch's LR
+    scheduler checks that the ``step`` it wrapped is still in place (``_wrapped_by_lr_sched``);
+    it is, inside ``gated``."""
+    gated._wrapped_by_lr_sched = True
+    opt.step = gated
+
+
+def count_declined_update(opt: torch.optim.Optimizer) -> None:
+    """A declined update still counts as the step for torch's LR scheduler, which otherwise
+    warns that the scheduler stepped before the optimizer (``_opt_called``)."""
+    opt._opt_called = True
+
+
+def reported_grad_norm(engine):
+    """The global gradient norm DeepSpeed computed in this step, or None: its ZeRO and bf16
+    optimizers keep it as ``_global_grad_norm``, the engine too on our pipeline ZeRO-0 path
+    (``keep_clipped_norm``)."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    return norm if norm is not None else getattr(engine, "_global_grad_norm", None)
+
+
+def keep_clipped_norm(engine) -> None:
+    """DeepSpeed's pipeline engine without ZeRO clips fp32 gradients (``clip_fp32_gradients``)
+    but discards the norm; the same clipping, keeping the norm for ``reported_grad_norm``, and
+    counting a weight tied across stages once, as DeepSpeed's ZeRO path does."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        params = list(engine.module.parameters())
+        once = [p for p in params if not is_pipe_replicated(p)]
+        norm = clip_grad_norm_(parameters=once, max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        coef = min(engine.gradient_clipping() / (float(norm) + 1e-6), 1.0)
+        for p in params:
+            if is_pipe_replicated(p) and p.grad is not None:
+                p.grad.mul_(coef)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip
+
+
+# ---------------------------------------------------------------- ZeRO's view of a parameter
+def hp_mapping(param: nn.Parameter):
+    """ZeRO 1/2 and the bf16 optimizer: the link of a parameter to this rank's fp32 fragment
+    and its optimizer state (``_hp_mapping``; None where this rank owns none of it)."""
+    return param._hp_mapping
+
+
+def has_hp_mapping(param: nn.Parameter) -> bool:
+    return hasattr(param, "_hp_mapping")
+
+
+def hp_range(mapping) -> tuple[int, int]:
+    """(first element, count) of the flattened parameter an ``hp_mapping`` covers."""
+    address = mapping.lp_fragment_address
+    return address.start, address.numel
+
+
+def is_zero3(param: nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def zero3_partition(param: nn.Parameter) -> torch.Tensor:
+    """ZeRO-3: this rank's partition of ``param`` (``ds_tensor``, padded to ``ds_numel``)."""
+    return param.ds_tensor
+
+
+def zero3_padded_numel(param: nn.Parameter) -> int:
+    """ZeRO-3: the length of each rank's partition (the last one padded)."""
+    return param.ds_tensor.ds_numel
+
+
+def zero3_range(param: nn.Parameter) -> tuple[int, int]:
+    """ZeRO-3: (first element, count) of the flattened parameter held by this rank."""
+    size = param.ds_tensor.ds_numel
+    start = size * param.ds_zero_partition_rank if hasattr(param, "ds_zero_partition_rank") else 0
+    return start, max(0, min(size, param.ds_numel - start))
+
+
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The parameter's shape, also under ZeRO-3 (which empties it and keeps ``ds_shape``)."""
+    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
+def zero3_flat_groups(engine) -> list[torch.Tensor]:
+    """ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside the torch
+    optimizer's param_groups (``fp32_partitioned_groups_flat``)."""
+    return list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+
+
+def relink_optimizer_state(engine) -> None:
+    """Have ZeRO 1/2 (and bf16) link their per-parameter views to an optimizer state that was
+    just created: they do it once, lazily (``_lazy_init_hp_params_optimizer_state``)."""
+    zero = engine.optimizer
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()

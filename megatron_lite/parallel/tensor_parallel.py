@@ -13,20 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.distributed import collectives
+from megatron_lite.distributed import collectives, deepspeed_internals
 from megatron_lite.parallel import comm
 
 
 def mark_shard(param: nn.Parameter, like: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
     """Record on ``param`` that it is slice ``rank`` of ``size`` along ``dim`` of ``like``.
 
-    ``ml_name``/``ml_shard`` let initialisation and gathering rebuild the full tensor;
-    ``tensor_model_parallel`` tells DeepSpeed's gradient-norm code to count it on every rank."""
+    ``ml_name``/``ml_shard`` let initialisation and gathering rebuild the full tensor; DeepSpeed's
+    gradient-norm code is told to count it on every rank."""
     param.ml_name = like.ml_name
     param.ml_full_shape = tuple(like.shape)
     param.ml_shard = (dim, rank, size)
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
+    deepspeed_internals.mark_tensor_parallel(param)
     return param
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from megatron_lite.config.schema import Config
+from megatron_lite.distributed import deepspeed_internals
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
@@ -127,7 +128,7 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         # average them through the loss; StepRunner reports the loss unscaled.
         model.train_scale = 1.0 / dims.grad_accumulation(cfg)
     if dims.pipeline > 1 and cfg.parallel.deepspeed_zero_stage == 0:
-        _keep_clipped_norm(engine)
+        deepspeed_internals.keep_clipped_norm(engine)
     if (dims.pipeline == 1 and cfg.parallel.deepspeed_zero_stage == 0 and dims.data == 1 and dims.ulysses == 1
             and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
@@ -136,21 +137,3 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         engine.enable_backward_allreduce = False
     return engine
 
-
-def _keep_clipped_norm(engine) -> None:
-    """DeepSpeed's pipeline engine without ZeRO clips fp32 gradients but discards the norm; the
-    same clipping call, keeping the norm for logging (``get_global_grad_norm``), and counting a
-    weight tied across stages once, as DeepSpeed's ZeRO path does."""
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    def clip() -> None:
-        params = list(engine.module.parameters())
-        once = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
-        norm = clip_grad_norm_(parameters=once, max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-        coef = min(engine.gradient_clipping() / (float(norm) + 1e-6), 1.0)
-        for p in params:
-            if getattr(p, "ds_pipe_replicated", False) and p.grad is not None:
-                p.grad.mul_(coef)
-        engine._global_grad_norm = norm
-
-    engine.clip_fp32_gradients = clip

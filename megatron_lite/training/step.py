@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_lite.checkpoint.shards import torch_optimizer
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed import collectives
+from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.training.engine import trainer_clips_gradients
 
@@ -72,7 +72,7 @@ class StepRunner:
     def gate(self, judge: Judge) -> None:
         """Ask ``judge`` before every update (see the module docstring)."""
         self.judge = judge
-        opt = torch_optimizer(self.engine)
+        opt = ds.torch_optimizer(self.engine)
         update = opt.step
 
         def gated_step(*args, **kwargs):
@@ -81,12 +81,10 @@ class StepRunner:
                 self.applied = judge(self._mean_loss(), self._norm_now(), False)
             if self.applied:
                 return update(*args, **kwargs)
-            opt._opt_called = True  # a declined update still counts as the step for torch's LR scheduler
+            ds.count_declined_update(opt)
             return None
 
-        # torch's LR scheduler checks that the step it wrapped is still in place; it is, inside.
-        gated_step._wrapped_by_lr_sched = True
-        opt.step = gated_step
+        ds.install_update_gate(opt, gated_step)
 
     def _mean_loss(self) -> float:
         """Mean micro-batch loss of this step over all ranks holding one (the last pipeline
@@ -106,10 +104,7 @@ class StepRunner:
 
     def _norm_now(self) -> float | None:
         """The global gradient norm DeepSpeed (or our clipping) computed for this step."""
-        norm = self.grad_norm if self.own_clipping else getattr(self.engine.optimizer, "_global_grad_norm",
-                                                                 None)
-        if norm is None and not self.own_clipping:
-            norm = getattr(self.engine, "_global_grad_norm", None)  # pipeline ZeRO-0 fp32 clipping
+        norm = self.grad_norm if self.own_clipping else ds.reported_grad_norm(self.engine)
         if norm is None:
             return None
         norm = float(norm)
