@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.transformer import Block, RMSNorm, make_norm
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,8 @@ class ParameterCounts:
     block: int
     """One transformer block."""
     block_norms: int
-    """The norms' share of ``block`` (replicated under tensor parallelism)."""
+    """The norms' share of ``block`` (replicated under tensor parallelism; per-head query/key
+    norms included)."""
     head: int
     """Final norm and, when not tied, the output layer."""
     head_norm: int
@@ -29,18 +32,18 @@ class ParameterCounts:
 
 
 def parameter_counts(m: ModelConfig) -> ParameterCounts:
-    """Parameters of a resolved model config (vocabulary known), by part."""
+    """Parameters of a resolved model config (vocabulary known), by part: one block and the
+    final norm are built on the meta device and counted, so every switch of the model is
+    counted with no formula to keep in step with it."""
     assert m.vocab_size is not None
-    d, kv_heads = m.d_model, m.kv_heads
-    head_dim, ffn, bias = m.head_dim, m.mlp_hidden, int(m.bias)
-    qkv = (m.n_heads + 2 * kv_heads) * head_dim
-    attn = d * qkv + bias * qkv + m.n_heads * head_dim * d + bias * d
-    n_in = 2 if m.activation == "swiglu" else 1
-    mlp = n_in * (d * ffn + bias * ffn) + ffn * d + bias * d
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    with torch.device("meta"):
+        block, final_norm = Block(m), make_norm(m)
+    norms = sum(count_parameters(x) for x in block.modules() if isinstance(x, (RMSNorm, nn.LayerNorm)))
+    norm = count_parameters(final_norm)
+    d = m.d_model
     embedding = m.vocab_size * d + (m.max_seq_len or 0) * d * (m.position == "learned")
     head = norm + (0 if m.tie_embeddings else m.vocab_size * d)
-    return ParameterCounts(embedding, attn + mlp + 2 * norm, 2 * norm, head, norm, m.n_layers)
+    return ParameterCounts(embedding, count_parameters(block), norms, head, norm, m.n_layers)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
 """Parallelism applied to the plain model: tensor, sequence (Megatron and Ulysses) and pipeline.
 
-See ``apply.py`` for the order of a build and docs/parallelism.md for choosing a layout.
+See ``build.py`` for the order of a build and docs/parallelism.md for choosing a layout.
 """
 
 from megatron_lite.parallel.apply import local_shards, parallelize

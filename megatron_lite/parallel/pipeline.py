@@ -9,7 +9,7 @@ fused output layer + loss (``model/loss.py``) as one process, so the last stage 
 full logits.
 
 DeepSpeed's pipeline engine runs 1F1B over the micro-batches. It is given one layer per stage,
-this rank's stage (``StagePipeline``); the split of blocks over stages is ours (``stage_layers``,
+this rank's stage (``pipeline_module``); the split of blocks over stages is ours (``stage_layers``,
 which the planner counts with too). The last stage's output layer is the pipeline's loss
 function. With tied embeddings the last stage holds a copy of the first stage's embedding
 matrix: their gradients are summed over the ``embedding`` group (``ParallelDims``) by
@@ -88,7 +88,6 @@ def _stage_pipeline_class() -> type:
             topology = PipeModelDataParallelTopology(num_pp=dims.pipeline, num_mp=dims.tensor,
                                                      num_dp=dims.data)
             super().__init__(layers=layers, topology=topology, partition_method="uniform")
-            self.stage = stage
             # The factor a training loss is multiplied by before DeepSpeed's backward
             # (build_engine sets 1/accumulation steps where the engine does not average them).
             self.train_scale = 1.0
@@ -114,11 +113,5 @@ def _stage_pipeline_class() -> type:
             """The tied embedding and the group of its first and last stage, whose gradients
             DeepSpeed's engine sums after the backward passes (its tied-weight step)."""
             return self._tied
-
-        def allreduce_tied_weight_gradients(self) -> None:
-            from megatron_lite.distributed import collectives
-
-            for weight, group in self._tied:
-                collectives.all_reduce(weight.grad, group)
 
     return _StagePipeline

@@ -29,10 +29,19 @@ def _cfg(recipe: str, *overrides: str):
     ("llama2-7b.yaml", []), ("llama3-8b.yaml", []),
     ("gpt2-124m.yaml", ["model.vocab_size=50304"]),
     ("gpt2-124m.yaml", ["model.vocab_size=50304", "model.tie_embeddings=false"]),
+    ("llama3-8b.yaml", ["model.qk_norm=true"]),
 ])
 def test_parameter_count_matches_the_model(recipe, overrides):
     cfg, model = _cfg(recipe, *overrides)
     assert parameter_counts(model).total == count_parameters(build_model(model, "meta"))
+
+
+def test_qk_norm_adds_two_head_widths_per_block_counted_as_norms():
+    _, plain = _cfg("llama2-7b.yaml")
+    _, qk = _cfg("llama2-7b.yaml", "model.qk_norm=true")
+    more = 2 * 128 * 32  # a query and a key norm of head_dim 4096/32 in each of 32 blocks
+    assert parameter_counts(qk).total - parameter_counts(plain).total == more
+    assert parameter_counts(qk).block_norms - parameter_counts(plain).block_norms == 2 * 128
 
 
 def test_llama2_7b_model_states():
