@@ -1,7 +1,7 @@
 """What each rank writes and reads: its own slice of the weights and of the optimizer state.
 
-Every parameter is addressed layout-free: by its name in the plain model (``ml_name``), the
-tensor-parallel slice it belongs to (``ml_shard``: dim, rank, size) and the range of elements of
+Every parameter is addressed layout-free, by its ``ShardSpec``: its name in the plain model, the
+tensor-parallel slice it belongs to (dim, rank, size) and the range of elements of
 that slice, flattened, that this rank owns (its ZeRO partition; the whole slice without ZeRO).
 A rank saves one *fragment* per parameter it owns: the fp32 weights and the Adam moments of that
 range. Replicated state is saved once: a tensor-parallel-replicated parameter only by tensor
@@ -25,6 +25,7 @@ from torch import nn
 from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import ShardSpec, spec
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -55,7 +56,7 @@ def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Para
     for p in module.parameters():
         if ds.is_pipe_replicated(p):
             continue  # the copy of a tied weight on a later pipeline stage
-        if not hasattr(p, "ml_shard") and dims.tp_rank != 0:
+        if not spec(p).sharded and dims.tp_rank != 0:
             continue  # replicated across tensor ranks: rank 0 writes it
         yield p
 
@@ -86,7 +87,6 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
     plain_opt = None
     for p in _owned_parameters(module, dims):
         shape = ds.full_shape(p)
-        shard = getattr(p, "ml_shard", None)
         if ds.has_hp_mapping(p):  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
             mapping = ds.hp_mapping(p)
             if mapping is None:
@@ -115,7 +115,7 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
                 value = state.get(key)
                 tensors[key] = (value.detach().float().cpu().reshape(-1).clone() if value is not None
                                 else torch.zeros(p.numel()))
-        out.append(Fragment(p.ml_name, shape, shard, start, tensors))
+        out.append(Fragment(spec(p).name, shape, spec(p).slice, start, tensors))
     return out
 
 
@@ -149,25 +149,20 @@ class Assembler:
         return full
 
 
-def _fit_vocabulary(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+def _fit_vocabulary(where: ShardSpec, full: torch.Tensor) -> torch.Tensor:
     """A vocabulary parameter saved with another padding (another tensor-parallel size): drop or
     add padding rows, which are zero (the tokenizer's rows match: the manifest says so)."""
-    shape = getattr(p, "ml_full_shape", None) or ds.full_shape(p)
-    if p.ml_name not in VOCAB_PARAMETERS or tuple(full.shape) == tuple(shape):
+    rows = where.full_shape[0]
+    if where.name not in VOCAB_PARAMETERS or full.shape[0] == rows:
         return full
-    rows = shape[0]
     if full.shape[0] > rows:
         return full[:rows]
     return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
 
 
 def _local_slice(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    full = _fit_vocabulary(p, full)
-    shard = getattr(p, "ml_shard", None)
-    if shard is None:
-        return full
-    dim, rank, size = shard
-    return full.chunk(size, dim)[rank]
+    where = spec(p)
+    return where.local(_fit_vocabulary(where, full))
 
 
 @torch.no_grad()
@@ -177,7 +172,7 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
     ensure_optimizer_state(engine)
     plain_opt = None
     for p in module.parameters():
-        values = {key: _local_slice(p, assembler.full(p.ml_name, key)).reshape(-1)
+        values = {key: _local_slice(p, assembler.full(spec(p).name, key)).reshape(-1)
                   for key in ("param", *STATE_KEYS)}
         if ds.has_hp_mapping(p):
             mapping = ds.hp_mapping(p)

@@ -1,5 +1,5 @@
 """The parallelize step: turns the plain model (built on the meta device, every parameter tagged
-with its plain-model name, ``ml_name``) into this rank's part, and ``materialize``, which gives
+with its ``ShardSpec``) into this rank's part, and ``materialize``, which gives
 it its weights (the order of a build: ``build.py``).
 
 ``parallelize`` swaps in tensor-parallel slices, sequence-parallel communication and the
@@ -17,6 +17,7 @@ from torch import nn
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.device import DeviceKernels
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.model.loss import compiles_softmax_pass, linear_cross_entropy, softmax_xent_grad
 from megatron_lite.model.transformer import (
     Block,
@@ -38,11 +39,6 @@ from megatron_lite.parallel.tensor_parallel import (
     slice_of,
 )
 from megatron_lite.parallel.ulysses import OffsetPositions, SequenceMeanLoss, UlyssesAttention
-
-
-def tag_names(module: nn.Module, prefix: str = "") -> None:
-    for name, param in module.named_parameters():
-        param.ml_name = prefix + name
 
 
 class ScatterSequence(nn.Module):
@@ -83,7 +79,7 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
         # parallel bias is added after the region, to the reduced output.)
         for inner, out in ((attn, attn.o_proj), (mlp, mlp.down_proj)):
             for param in inner.parameters():
-                if not hasattr(param, "ml_shard") and param is not out.bias:
+                if not spec(param).sharded and param is not out.bias:
                     comm.sum_gradient_over(param, group)
         if sp:
             # Norms and the row-parallel biases see a slice of the sequence on each rank.
@@ -143,25 +139,19 @@ def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str,
     parameters and drop the attributes set by ``parallelize``.)"""
     done: dict[int, nn.Parameter] = {}
     for sub in module.modules():
-        for key, old in sub._parameters.items():
-            if old is None:
-                continue
+        for key, old in list(sub.named_parameters(recurse=False)):
             if id(old) not in done:
                 new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device),
                                    requires_grad=old.requires_grad)
-                new.__dict__.update(old.__dict__)
-                full = initial_value(cfg, new.ml_name, getattr(new, "ml_full_shape", new.shape), seed,
-                                     device)
-                if hasattr(new, "ml_shard"):
-                    dim, rank, size = new.ml_shard
-                    full = full.chunk(size, dim)[rank]
-                new.copy_(full)
+                new.__dict__.update(old.__dict__)  # the ShardSpec and DeepSpeed's marks
+                where = spec(new)
+                new.copy_(where.local(initial_value(cfg, where.name, where.full_shape, seed, device)))
                 comm.register_gradient_sum(new)
                 done[id(old)] = new
-            sub._parameters[key] = done[id(old)]
-        for key, buf in sub._buffers.items():
-            if buf is not None and buf.device.type == "meta":
-                sub._buffers[key] = torch.empty_like(buf, device=device)
+            setattr(sub, key, done[id(old)])
+        for key, buf in list(sub.named_buffers(recurse=False)):
+            if buf.device.type == "meta":
+                setattr(sub, key, torch.empty_like(buf, device=device))
     for sub in module.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()
@@ -226,6 +216,5 @@ def use_device_kernels(module: nn.Module, kernels: DeviceKernels) -> list[str]:
 
 
 def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:
-    """This rank's parameters by plain-model name, each with its slice (dim, rank, size) or None."""
-    return {p.ml_name: (p.detach().cpu().clone(), getattr(p, "ml_shard", None))
-            for p in module.parameters()}
+    """This rank's parameters by plain-model name, each with its slice (``ShardSpec.slice``)."""
+    return {spec(p).name: (p.detach().cpu().clone(), spec(p).slice) for p in module.parameters()}

@@ -1,11 +1,11 @@
 """One rank's part of the model, with or without pipeline stages.
 
 The order of a build: the plain ``Transformer`` on the meta device (no memory), every parameter
-tagged with its name in the plain model; ``parallelize`` (tensor, Megatron-sequence and Ulysses
-parallelism); under pipeline parallelism ``keep_stage`` (this stage's parts only); then
-``materialize`` (this rank's slices on the device, each from the plain model's initial value of
-its name). Every layout starts from exactly the single-process weights, and no rank ever holds
-the whole model.
+tagged with its ``ShardSpec`` (its name and shape in the plain model); ``parallelize`` (tensor,
+Megatron-sequence and Ulysses parallelism); under pipeline parallelism ``keep_stage`` (this
+stage's parts only); then ``materialize`` (this rank's slices on the device, each from the plain
+model's initial value of its name). Every layout starts from exactly the single-process weights,
+and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import tag
 from megatron_lite.model.flops import parameter_counts
 from megatron_lite.model.transformer import Transformer
-from megatron_lite.parallel.apply import materialize, parallelize, tag_names
+from megatron_lite.parallel.apply import materialize, parallelize
 from megatron_lite.parallel.pipeline import keep_stage, pipeline_module, stage_layers
 
 
@@ -27,7 +28,7 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
     ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    tag_names(model)
+    tag(model)
     parallelize(model, dims)
     if dims.pipeline == 1:
         return materialize(model, cfg, device, seed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.distributed import collectives
+from megatron_lite.distributed.shard_spec import set_spec, spec
 
 SEQ_DIM = 1  # activations are (B, T, ...)
 
@@ -120,10 +121,10 @@ def sum_gradient_over(param: torch.nn.Parameter, group) -> None:
     """Make ``param``'s gradient the sum over ``group``: for replicated parameters that see only
     a slice of the sequence on each rank (norms and biases under sequence parallelism).
     Takes effect when the parameter is materialised (``apply.materialize``)."""
-    param.ml_sum_grad_group = group
+    set_spec(param, spec(param).summed_over(group))
 
 
 def register_gradient_sum(param: torch.nn.Parameter) -> None:
-    group = getattr(param, "ml_sum_grad_group", None)
+    group = spec(param).grad_sum_group
     if group is not None:
         param.register_hook(lambda grad: all_reduce(grad.clone(), group))

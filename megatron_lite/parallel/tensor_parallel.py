@@ -14,27 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.distributed import collectives, deepspeed_internals
+from megatron_lite.distributed.shard_spec import set_spec, spec
 from megatron_lite.parallel import comm
 
 
-def mark_shard(param: nn.Parameter, like: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
-    """Record on ``param`` that it is slice ``rank`` of ``size`` along ``dim`` of ``like``.
-
-    ``ml_name``/``ml_shard`` let initialisation and gathering rebuild the full tensor; DeepSpeed's
-    gradient-norm code is told to count it on every rank."""
-    param.ml_name = like.ml_name
-    param.ml_full_shape = tuple(like.shape)
-    param.ml_shard = (dim, rank, size)
-    deepspeed_internals.mark_tensor_parallel(param)
-    return param
-
-
 def slice_of(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Parameter:
-    full = param.shape[dim]
+    """A new (empty) parameter for slice ``rank`` of ``size`` along ``dim`` of ``param``; its
+    ShardSpec says so, and DeepSpeed's gradient-norm code is told to count it on every rank."""
     shape = list(param.shape)
-    shape[dim] = full // size
-    return mark_shard(nn.Parameter(torch.empty(shape, device=param.device, dtype=param.dtype)),
-                      param, dim, rank, size)
+    shape[dim] = shape[dim] // size
+    out = nn.Parameter(torch.empty(shape, device=param.device, dtype=param.dtype))
+    set_spec(out, spec(param).sliced(dim, rank, size))
+    deepspeed_internals.mark_tensor_parallel(out)
+    return out
 
 
 class ColumnParallelLinear(nn.Module):

@@ -26,6 +26,7 @@ from megatron_lite.config.schema import Config
 from megatron_lite.distributed import collectives
 from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.training.engine import trainer_clips_gradients
 
 
@@ -37,7 +38,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     used where this rank holds whole gradients (no tensor parallelism) and clipping is on."""
     if fused is not None and dims.tensor == 1 and max_norm > 0 and math.isfinite(max_norm):
         return fused([p for p in params if p.grad is not None], max_norm)
-    grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or hasattr(p, "ml_shard"))]
+    grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or spec(p).sharded)]
     # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor).
     norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=params[0].device)
     if dims.tensor > 1:
