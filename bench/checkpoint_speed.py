@@ -34,10 +34,7 @@ def main() -> None:
     from megatron_lite.checkpoint import Checkpointer
     from megatron_lite.config import load_config
     from megatron_lite.distributed import detect, init_distributed
-    from megatron_lite.model import resolve_model
-    from megatron_lite.parallel import build_parallel_model
-    from megatron_lite.training.engine import build_engine
-    from megatron_lite.training.step import StepRunner
+    from megatron_lite.training.build import build
 
     root = Path(a.dir or tempfile.mkdtemp(prefix="ckbench-"))
     cfg = load_config(REPO / "recipes/gpt2-124m.yaml", [
@@ -46,11 +43,9 @@ def main() -> None:
         "parallel.zero_stage=0", "training.iters=10", "training.train_tokens=null",
         f"checkpoint.dir={root}", "checkpoint.keep_last=0"])
     dims, acc = init_distributed(cfg, detect())
-    model_cfg = resolve_model(cfg.model, None, cfg.data.seq_length)
-    model = build_parallel_model(model_cfg, dims, "cpu", cfg.training.seed)
-    engine = build_engine(model, cfg, dims, 10, "cpu")
-    params = sum(p.numel() for p in model.parameters())
-    runner = StepRunner(cfg, dims, engine, 1)
+    parts = build(cfg, dims, acc, None, 10)
+    model_cfg, engine, runner = parts.model_cfg, parts.engine, parts.steps
+    params = sum(p.numel() for p in engine.module.parameters())
     batch = torch.randint(0, 50257, (1, cfg.data.seq_length + 1))
     runner.train_step(iter([batch]), "cpu")
     ck = Checkpointer(cfg, dims, acc, engine, model_cfg, lambda msg: None)

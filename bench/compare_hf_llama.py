@@ -3,7 +3,7 @@
 
 Both train the same small Llama (GQA, SwiGLU, RoPE, RMSNorm) on the same random token batches,
 fp32, AdamW with the same hyper-parameters and gradient clipping. Ours runs the real training
-step (DeepSpeed engine, our optimizer and schedule, ``Trainer.train_step``); the baseline is the
+step (``training.build``: DeepSpeed engine, our optimizer and schedule, the step runner); the baseline is the
 loop a user would write. Rounds alternate between them so that machine noise hits all, and the
 median step times are compared.
 
@@ -40,12 +40,9 @@ from megatron_lite.config.schema import (  # noqa: E402
 )
 from megatron_lite.config.validate import validate  # noqa: E402
 from megatron_lite.distributed import detect, init_distributed  # noqa: E402
-from megatron_lite.logging import MetricsLogger  # noqa: E402
 from megatron_lite.model import build_model  # noqa: E402
 from megatron_lite.model.hf_convert import to_hf  # noqa: E402
-from megatron_lite.parallel.apply import compile_blocks  # noqa: E402
-from megatron_lite.training.engine import build_engine  # noqa: E402
-from megatron_lite.training.trainer import Trainer  # noqa: E402
+from megatron_lite.training.build import build  # noqa: E402
 
 
 def make_config(a: argparse.Namespace) -> Config:
@@ -107,8 +104,7 @@ def baseline_worker(a: argparse.Namespace) -> None:
     if a.baseline_worker == "retained":
         retain_freed_host_memory()
     cfg = make_config(a)
-    torch.manual_seed(0)
-    hf_cfg, hf_sd = to_hf(build_model(cfg.model).state_dict(), cfg.model)
+    hf_cfg, hf_sd = to_hf(build_model(cfg.model, "cpu", cfg.training.seed).state_dict(), cfg.model)
     hf_cfg._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(hf_sd)
@@ -168,17 +164,12 @@ def main() -> None:
     baselines = {"default": Baseline("default"), "retained": Baseline("retained")}
     dims, acc = init_distributed(cfg, detect())
 
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    if cfg.training.compile:
-        compile_blocks(model, acc.get_compile_backend())
-    engine = build_engine(model, cfg, dims, cfg.training.iters, acc.device_name())
-    trainer = Trainer(cfg, dims, acc, engine, None, MetricsLogger(cfg, Path("."), False, {}),
-                      cfg.training.iters, 0.0, lambda m: None)
+    parts = build(cfg, dims, acc, None, cfg.training.iters)
+    model = parts.engine.module
     batches = token_batches(a)
 
     def ours_step() -> None:
-        trainer.train_step(batches).item()
+        parts.steps.train_step(batches, parts.device).item()
 
     timed(ours_step, 3)  # warm-up
     ours_t: list[float] = []

@@ -83,11 +83,7 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
     from megatron_lite.config import load_config
     from megatron_lite.data.gpt_dataset import GlobalBatchSampler
     from megatron_lite.distributed import collectives, detect, init_distributed
-    from megatron_lite.model import resolve_model
-    from megatron_lite.parallel import build_parallel_model
-    from megatron_lite.parallel.random import rank_seed
-    from megatron_lite.training.engine import build_engine
-    from megatron_lite.training.step import StepRunner
+    from megatron_lite.training.build import build
 
     counts: Counter = Counter()
     volume: Counter = Counter()
@@ -137,12 +133,8 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
         for ranks in dims.group_ranks(axes):
             # The first name wins where two dimensions have the same ranks.
             names.setdefault(tuple(ranks), label if len(ranks) > 1 else "self")
-    device = torch.device(acc.current_device_name())
-    model_cfg = resolve_model(cfg.model, None, cfg.data.seq_length, dims.tensor)
-    torch.manual_seed(rank_seed(cfg.training.seed, dims))
-    model = build_parallel_model(model_cfg, dims, device, cfg.training.seed, cfg.parallel.pipeline_partition)
-    engine = build_engine(model, cfg, dims, 100, acc.device_name())
-    runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
+    parts = build(cfg, dims, acc, None, 100)
+    runner, device = parts.steps, parts.device
     data = torch.randint(0, 512, (4096, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(0))
     sampler = GlobalBatchSampler(0, dims.global_batch(cfg), cfg.training.micro_batch_size, dims.dp_rank,
                                  dims.data, wrap=len(data))

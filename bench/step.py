@@ -45,12 +45,10 @@ from megatron_lite.data.source import build_data  # noqa: E402
 from megatron_lite.distributed import detect, init_distributed  # noqa: E402
 from megatron_lite.distributed.collectives import on_one_rank_then_all  # noqa: E402
 from megatron_lite.logging import MetricsLogger  # noqa: E402
-from megatron_lite.model import build_model, flops_per_token, resolve_model  # noqa: E402
+from megatron_lite.model import build_model  # noqa: E402
 from megatron_lite.model.flops import mfu  # noqa: E402
 from megatron_lite.model.hf_convert import to_hf  # noqa: E402
-from megatron_lite.parallel import build_parallel_model  # noqa: E402
-from megatron_lite.parallel.apply import compile_blocks, use_loss_kernel  # noqa: E402
-from megatron_lite.training.engine import build_engine  # noqa: E402
+from megatron_lite.training.build import build  # noqa: E402
 from megatron_lite.training.trainer import Trainer  # noqa: E402
 
 COLLECTIVES = ("c10d", "nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather",
@@ -202,17 +200,10 @@ def main() -> None:
         on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=lambda m: None), dims, "the dataset build")
         budget = gb * (a.warmup + a.steps * (a.rounds + 1) + 2 * a.breakdown + 4)
         data = build_data(cfg.data, budget, gb)
-    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
-    model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
-                                 cfg.parallel.pipeline_partition)
-    use_loss_kernel(model, cfg.training.kernels, acc.device_name())
-    if cfg.training.compile:
-        compile_blocks(model, acc.get_compile_backend())
-    iters = 10**6
-    engine = build_engine(model, cfg, dims, iters, acc.device_name())
-    fpt = flops_per_token(model_cfg, cfg.data.seq_length)
+    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, 10**6)
+    model_cfg, fpt = parts.model_cfg, parts.flops_per_token
     quiet = MetricsLogger(cfg, Path("."), False, {})
-    trainer = Trainer(cfg, dims, acc, engine, data, quiet, iters, fpt, lambda m: None)
+    trainer = Trainer(cfg, dims, parts, data, quiet, lambda m: None)
     batches = trainer._train_batches()
     sync = acc.synchronize
 

@@ -1,7 +1,7 @@
 """Per-step spike bookkeeping: verdicts, policies, provenance, ``spikes.jsonl`` and the state
 saved in checkpoints.
 
-The trainer calls ``begin_step`` before a step and ``end_step`` after it; in between, the step
+The trainer takes every step through ``track``; during the step, the step
 runner calls ``judge`` once, at the moment DeepSpeed hands the gradients to the optimizer, with
 the loss reduced over all ranks and the global gradient norm. ``judge``'s answer (apply the
 update or not) is the same on every rank because its inputs are.
@@ -17,11 +17,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from megatron_lite.config.schema import SpikesConfig
 from megatron_lite.spikes.detector import SpikeDetector, Verdict
 
 SPIKES_FILE = "spikes.jsonl"
+T = TypeVar("T")
 
 
 class SpikeStop(RuntimeError):
@@ -36,6 +38,8 @@ class StepContext:
     """Global index of the batch's first sample (the data position before the step)."""
     lr: float
     global_batch: int
+    consumed_after: int
+    """The data position after the step (past any rolled-back range)."""
 
 
 def _round(x: float | None) -> float | None:
@@ -54,11 +58,16 @@ class SpikeTracker:
         self.rollbacks = 0
         self.skip: list[tuple[int, int]] = []  # rolled-back sample ranges [start, end)
         self.context: StepContext | None = None
-        self.pending: dict | None = None  # the step's judgement, turned into an event by end_step
+        self.pending: dict | None = None  # the step's judgement, turned into an event by track
 
     # ---------------------------------------------------------------- per step
-    def begin_step(self, ctx: StepContext) -> None:
+    def track(self, ctx: StepContext, take_step: Callable[[], T]) -> tuple[T, str]:
+        """Take one step (``take_step``, whose update ``judge`` gates) and record its event, if
+        any. Returns the step's result and the action the trainer must take: ``apply`` (nothing
+        to do), ``log``, ``skip``, ``rollback`` or ``stop``."""
         self.context, self.pending = ctx, None
+        result = take_step()
+        return result, self._record_event()
 
     def judge(self, loss: float, grad_norm: float | None, loss_scale_overflow: bool = False) -> bool:
         """Whether this step's update may be applied. Called once per step on every rank."""
@@ -83,9 +92,7 @@ class SpikeTracker:
         self.pending = {"verdict": verdict, "loss": loss, "grad_norm": grad_norm, "action": action}
         return action == "log"
 
-    def end_step(self, consumed_after: int) -> str:
-        """Record the step's event, if any; returns the action the trainer must take:
-        ``apply`` (nothing to do), ``log``, ``skip``, ``rollback`` or ``stop``."""
+    def _record_event(self) -> str:
         if self.pending is None:
             return "apply"
         p, ctx = self.pending, self.context
@@ -97,7 +104,7 @@ class SpikeTracker:
             "reasons": verdict.reasons, "loss": _round(p["loss"]), "loss_median": _round(verdict.loss_median),
             "loss_z": _round(verdict.loss_z), "grad_norm": _round(p["grad_norm"]),
             "grad_norm_median": _round(verdict.grad_norm_median), "grad_norm_z": _round(verdict.grad_norm_z),
-            "lr": _round(ctx.lr), "consumed_samples": consumed_after,
+            "lr": _round(ctx.lr), "consumed_samples": ctx.consumed_after,
             "sample_range": [ctx.batch_start, ctx.batch_start + ctx.global_batch],
         }
         if kind == "nonfinite":

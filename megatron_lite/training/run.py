@@ -7,8 +7,6 @@ import math
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
@@ -16,16 +14,13 @@ from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
 from megatron_lite.distributed.parallel_dims import abandon_distributed, shutdown_distributed
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
-from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.deepspeed_versions import limitations as deepspeed_limitations
-from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine, deepspeed_config
+from megatron_lite.training.build import build
+from megatron_lite.training.engine import deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
 
 
@@ -108,25 +103,14 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
     if expected is not None and expected != data.tokenizer.vocab_size:
         log(f"warning: data.tokenizer.vocab_size={expected}, but the tokenizer has "
             f"{data.tokenizer.vocab_size} ids: the run uses {data.tokenizer.vocab_size}")
-
-    torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
-    model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
-                                 cfg.parallel.pipeline_partition)
-    kernels = devmod.device_kernels(acc)
-    fused = use_device_kernels(model, kernels) + (["adamw"] if kernels.adamw else [])
-    if fused:
-        log(f"{acc.device_name()} fused kernels: {', '.join(fused)}")
-    if use_loss_kernel(model, cfg.training.kernels, acc.device_name()):
-        log("output layer + loss: Liger Kernel's fused linear cross-entropy")
-    if cfg.training.compile or (acc.device_name() == "hpu" and cfg.training.hpu_mode == "compile"):
-        n = compile_blocks(model, acc.get_compile_backend())
-        log(f"torch.compile: {n} transformer block(s) on this rank, backend {acc.get_compile_backend()}")
-    engine = build_engine(model, cfg, dims, iters, acc.device_name(), kernels.adamw)
+    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters)
+    for note in parts.notes:
+        log(note)
     for limitation in deepspeed_limitations(cfg.training.precision, cfg.parallel.deepspeed_zero_stage):
         log(f"warning: {limitation}")
 
     run_dir = Path(cfg.logging.dir)
-    fpt = flops_per_token(model_cfg, cfg.data.seq_length)
+    fpt = parts.flops_per_token
     runtime = {
         "world_size": dims.world_size, "data_parallel": dims.data, "tensor_parallel": dims.tensor,
         "pipeline_parallel": dims.pipeline, "ulysses": dims.ulysses,
@@ -149,8 +133,9 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
 
     logger = MetricsLogger(cfg, run_dir, dims.is_main, json.loads(json.dumps(runtime)))
     try:
-        checkpointer = Checkpointer(cfg, dims, acc, engine, model_cfg, log) if cfg.checkpoint.dir else None
-        trainer = Trainer(cfg, dims, acc, engine, data, logger, iters, fpt, log, checkpointer)
+        checkpointer = (Checkpointer(cfg, dims, acc, parts.engine, model_cfg, log) if cfg.checkpoint.dir
+                        else None)
+        trainer = Trainer(cfg, dims, parts, data, logger, log, checkpointer)
         trainer.maybe_resume()
         result = trainer.train()
     finally:

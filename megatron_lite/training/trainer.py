@@ -1,4 +1,5 @@
-"""The training loop: steps, metrics, evaluation, samples and checkpoints.
+"""The training loop: steps, spike handling, metrics; evaluation (``evaluator.py``) and saves
+(``saving.py``) decide their own timing.
 
 No host-device synchronisation inside a step: losses are summed on the device and read only at
 log intervals.
@@ -6,6 +7,7 @@ log intervals.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -13,14 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_lite.checkpoint import Checkpointer, CheckpointError, Loaded
+from megatron_lite.checkpoint import Checkpointer, Loaded
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import (
     broadcast_object,
-    first_line,
     mean_over_ranks,
     raise_together,
 )
@@ -28,9 +29,10 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
 from megatron_lite.model.flops import mfu
 from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
+from megatron_lite.training.build import Components
 from megatron_lite.training.control import RunControl
-from megatron_lite.training.generate import sample
-from megatron_lite.training.step import StepRunner
+from megatron_lite.training.evaluator import Evaluator
+from megatron_lite.training.saving import Saves
 
 
 @dataclass
@@ -50,29 +52,27 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims: ParallelDims, acc, engine, data: DataSource,
-                 logger: MetricsLogger, total_iters: int, flops_per_token: float,
-                 log: Callable[[str], None], checkpointer: Checkpointer | None = None):
-        self.cfg, self.dims, self.acc, self.engine, self.data = cfg, dims, acc, engine, data
-        self.checkpointer = checkpointer
-        self.logger, self.total_iters, self.log = logger, total_iters, log
-        self.flops_per_token = flops_per_token
-        self.device = torch.device(acc.current_device_name())
+    """The loop: each part decides its own timing (``Evaluator.maybe_run``, ``Saves.maybe_save``);
+    every step goes through the spike tracker (``SpikeTracker.track``)."""
+
+    def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
+                 logger: MetricsLogger, log: Callable[[str], None], checkpointer: Checkpointer | None = None):
+        self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
+        self.engine, self.steps, self.device = parts.engine, parts.steps, parts.device
+        self.checkpointer, self.logger, self.log = checkpointer, logger, log
+        self.total_iters = parts.iters
         self.global_batch = dims.global_batch(cfg)
         self.grad_accum = dims.grad_accumulation(cfg)
         self.tokens_per_step = self.global_batch * cfg.data.seq_length
-        self.peak = devmod.peak_flops(devmod.device_name(acc), cfg.training.precision)
+        self.peak = devmod.peak_flops(devmod.device_name(parts.acc), cfg.training.precision)
         self.state = TrainState()
-        self.steps = StepRunner(cfg, dims, engine, self.grad_accum,
-                                devmod.graph_break(acc, cfg.training.hpu_mode),
-                                devmod.device_kernels(acc).clip_norm)
-        locate = getattr(data.train, "locate", None) if data is not None else None
+        locate = getattr(data.train, "locate", None)
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.steps.gate(self.spikes.judge)
         self.control = RunControl(cfg, dims)
-        self.save_failures = 0
-        self.last_good: tuple[int, int] | None = None  # (step, consumed samples) of the last save
-        self.pending_save: tuple[int, int] | None = None  # a background save in flight
+        self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
+        self.saves = (Saves(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
+                            self.control.saved) if checkpointer is not None else None)
 
     # ---- checkpoints ----
     def maybe_resume(self) -> None:
@@ -103,69 +103,8 @@ class Trainer:
         # In place: the training loop holds this object.
         self.state.step = loaded.step
         self.state.consumed_samples = past_skipped(loaded.consumed_samples, self.spikes.skip)
-        self.last_good = (loaded.step, loaded.consumed_samples)
+        self.saves.restored(loaded.step, loaded.consumed_samples)
 
-    def _trainer_state(self) -> dict:
-        return {"spikes": self.spikes.state_dict()}
-
-    def save(self) -> None:
-        """Save (in the background with ``checkpoint.async_save``); a failure is reported
-        everywhere and handled by ``checkpoint.on_save_failure``."""
-        self.finish_background_save()
-        st = self.state
-        try:
-            path = self.checkpointer.save(st.step, st.consumed_samples,
-                                          background=self.cfg.checkpoint.async_save,
-                                          extra=self._trainer_state())
-        except CheckpointError as e:
-            self._save_failed(e, st.step)
-            return
-        finally:
-            self.control.saved()
-        if path is None:
-            self.pending_save = (st.step, st.consumed_samples)
-        else:
-            self._save_succeeded((st.step, st.consumed_samples))
-            self.log(f"saved checkpoint {path}")
-
-    def finish_background_save(self) -> None:
-        """Collective: wait for the save in flight and account for its outcome."""
-        if self.pending_save is None:
-            return
-        pending, self.pending_save = self.pending_save, None
-        try:
-            self.checkpointer.wait()
-        except CheckpointError as e:
-            self._save_failed(e, pending[0])
-            return
-        self._save_succeeded(pending)
-
-    def _save_succeeded(self, saved: tuple[int, int]) -> None:
-        self.save_failures = 0
-        self.last_good = saved
-
-    def _save_failed(self, error: CheckpointError, step: int) -> None:
-        ck = self.cfg.checkpoint
-        self.save_failures += 1
-        self.log(f"error: checkpoint save failed ({self.save_failures} in a row): {error}")
-        self.logger.event(step, "checkpoint_save_failed", str(error), failures=self.save_failures)
-        if ck.on_save_failure == "stop" and self.save_failures >= ck.max_save_failures:
-            raise CheckpointError(f"{error}\nstopping: checkpoint.on_save_failure=stop "
-                                  f"(checkpoint.max_save_failures={ck.max_save_failures})") from None
-
-    def _warn_if_checkpoint_is_old(self) -> None:
-        if not self.save_failures:
-            return
-        st = self.state
-        if self.last_good is None:
-            self.log(f"warning: no checkpoint saved yet; the last {self.save_failures} save(s) failed")
-            return
-        steps = st.step - self.last_good[0]
-        tokens = (st.consumed_samples - self.last_good[1]) * self.cfg.data.seq_length
-        self.log(f"warning: the last good checkpoint (step {self.last_good[0]}) is {steps} steps and "
-                 f"{tokens:,} tokens old; {self.save_failures} save(s) in a row failed")
-
-    # ---- evaluation ----
     def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool,
                  skip: list[tuple[int, int]] = ()):
         sampler = GlobalBatchSampler(consumed, self.global_batch, self.cfg.training.micro_batch_size,
@@ -173,50 +112,6 @@ class Trainer:
         if not workers:
             return (torch.stack([dataset[i] for i in idx]) for idx in sampler)
         return self.data.loader(dataset, sampler)
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.engine.eval()
-        batches = self._batches(self.data.valid, 0, len(self.data.valid), workers=False)
-        total = torch.zeros((), device=self.device)
-        n = self.cfg.training.eval_iters
-        for _ in range(n):
-            total += self.steps.eval_loss(batches, self.device)
-        self.engine.train()
-        return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
-
-    def generate_sample(self) -> str | None:
-        t = self.cfg.training
-        if not t.sample_prompt or t.sample_tokens <= 0:
-            return None
-        p = self.cfg.parallel
-        if p.pipeline > 1 or p.ulysses > 1 or (p.sequence_parallel and p.tensor > 1):
-            return None  # generation runs whole prompts through one model replica
-        tok = self.data.tokenizer
-        model = self.engine.module
-        was_training = model.training
-        model.eval()
-        ids = sample(model, tok.encode(t.sample_prompt), t.sample_tokens, self.cfg.data.seq_length,
-                     t.sample_temperature, t.sample_top_k, t.seed, self.device)
-        model.train(was_training)
-        return t.sample_prompt + tok.decode(ids)
-
-    def _eval_and_sample(self) -> tuple[float, str | None]:
-        val = self.evaluate()
-        try:
-            text = self.generate_sample()
-        except Exception as e:  # a sample is for reading; it never fails a run
-            text = None
-            self.log(f"warning: sampling at step {self.state.step} failed ({type(e).__name__}: "
-                     f"{first_line(e)}); training goes on")
-        record = {"step": self.state.step, "val_loss": val,
-                  "val_ppl": math.exp(min(val, 50.0)), "consumed_samples": self.state.consumed_samples}
-        self.logger.log(record)
-        self.log(f"eval step {self.state.step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}")
-        if text is not None:
-            self.logger.text("sample", text, self.state.step)
-            self.log(f"sample at step {self.state.step}:\n{text}\n" + "-" * 40)
-        return val, text
 
     # ---- training ----
     def _train_batches(self):
@@ -230,26 +125,12 @@ class Trainer:
         try:
             return self._train()
         except BaseException as failure:
-            self._settle_save_before_exit(failure)
+            if self.saves is not None:
+                self.saves.settle_before_exit(failure)
             raise
 
-    def _settle_save_before_exit(self, failure: BaseException) -> None:
-        if self.pending_save is None:
-            return
-        step, self.pending_save = self.pending_save[0], None
-        self.log(f"waiting for the checkpoint save of step {step} still in flight before exiting "
-                 f"({type(failure).__name__})")
-        try:
-            path = self.checkpointer.wait()
-        except BaseException as e:  # the writer's own failure, or the other ranks are gone
-            self.log(f"error: the checkpoint save of step {step} was abandoned: {first_line(e)}; "
-                     f"the previous checkpoint stays the latest")
-            return
-        self.log(f"the checkpoint save of step {step} completed: {path}")
-
     def _train(self) -> RunResult:
-        cfg, engine, st = self.cfg, self.engine, self.state
-        t = cfg.training
+        engine, st, t = self.engine, self.state, self.cfg.training
         batches = self._train_batches()
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
@@ -258,11 +139,10 @@ class Trainer:
         engine.train()
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
-            self.spikes.begin_step(StepContext(st.step + 1, st.consumed_samples, lr, self.global_batch))
-            step_loss = self.train_step(batches)
-            st.step += 1
-            st.consumed_samples = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
-            action = self.spikes.end_step(st.consumed_samples)
+            after = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
+            ctx = StepContext(st.step + 1, st.consumed_samples, lr, self.global_batch, after)
+            step_loss, action = self.spikes.track(ctx, functools.partial(self.train_step, batches))
+            st.step, st.consumed_samples = st.step + 1, after
             if action == "stop":
                 raise SpikeStop(f"{self.cfg.spikes.max_consecutive_nonfinite} non-finite steps in a row "
                                 f"(spikes.max_consecutive_nonfinite) at step {st.step}; see "
@@ -277,31 +157,33 @@ class Trainer:
                 loss_sum += step_loss
                 loss_steps += 1
             last = st.step == self.total_iters
-            if st.step % t.log_interval == 0 or last:
+            logs = st.step % t.log_interval == 0 or last
+            if logs:
                 mean = loss_sum / (loss_steps * self.grad_accum) if loss_steps else loss_sum + math.nan
                 record = self._train_record(mean, lr, interval_steps, time.perf_counter() - interval_start)
                 record["skipped_steps"] = interval_steps - loss_steps
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters))
-                self._warn_if_checkpoint_is_old()
+                if self.saves is not None:
+                    self.saves.warn_if_old(st.step, st.consumed_samples)
                 loss_sum.zero_()
                 interval_steps = loss_steps = 0
-            if (t.eval_interval and st.step % t.eval_interval == 0) or last:
-                result.final_val_loss, result.sample_text = self._eval_and_sample()
-            ck = cfg.checkpoint
+            evaluated = self.evaluator.maybe_run(st.step, st.consumed_samples, last)
+            if evaluated is not None:
+                result.final_val_loss, result.sample_text = evaluated
             decision = self.control.decide()
-            if ck.dir and ((ck.save_interval and st.step % ck.save_interval == 0) or last or decision.save):
-                self.save()
+            if self.saves is not None:
+                self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)
             if decision.stop is not None:
                 self.log(f"stopping at step {st.step}: {decision.stop}")
                 self.logger.event(st.step, "stop", decision.stop)
                 result.stopped = decision.stop
                 break
-            if st.step % t.log_interval == 0 or last:
+            if logs:
                 interval_start = time.perf_counter()  # evaluation and saving are not step time
-        if self.checkpointer is not None:
-            self.finish_background_save()
+        if self.saves is not None:
+            self.saves.finish()
         result.steps = st.step
         return result
 
@@ -317,7 +199,7 @@ class Trainer:
         spike_step = st.step
         if self.checkpointer is None:
             return False
-        self.finish_background_save()
+        self.saves.finish()
         found = self.checkpointer.rollback_target(spike_step - rb.min_steps_back)
         if found is None:
             self.spikes.record_note("rollback_unavailable", f"no committed checkpoint at or before step "
@@ -357,14 +239,14 @@ class Trainer:
         gnorm = self.steps.grad_norm
         tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
         per_device = tokens_per_sec / self.dims.world_size
-        tflops = per_device * self.flops_per_token / 1e12
+        tflops = per_device * self.parts.flops_per_token / 1e12
         return {
             "step": self.state.step, "loss": loss, "lr": lr,
             "grad_norm": float(gnorm) if gnorm is not None else None,
             "step_time_ms": 1000.0 * seconds / steps, "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops,
-            "mfu": mfu(per_device, self.flops_per_token, self.peak),
-            "memory_gib": devmod.memory_gib(self.acc),
+            "mfu": mfu(per_device, self.parts.flops_per_token, self.peak),
+            "memory_gib": devmod.memory_gib(self.parts.acc),
             "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_samples * self.cfg.data.seq_length,
         }

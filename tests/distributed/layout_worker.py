@@ -18,11 +18,8 @@ from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import mean_over_ranks
 from megatron_lite.distributed.parallel_dims import ParallelDims, shutdown_distributed
-from megatron_lite.model import resolve_model
-from megatron_lite.parallel import build_parallel_model, local_shards
-from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine
-from megatron_lite.training.step import StepRunner
+from megatron_lite.parallel import local_shards
+from megatron_lite.training.build import build
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -50,12 +47,8 @@ VARIANTS = {
 def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
     dims, acc = init_distributed(cfg, detect())
-    device = torch.device(acc.current_device_name())
-    model_cfg = resolve_model(cfg.model, VOCAB, cfg.data.seq_length, dims.tensor)
-    torch.manual_seed(rank_seed(cfg.training.seed, dims))
-    model = build_parallel_model(model_cfg, dims, device, cfg.training.seed, cfg.parallel.pipeline_partition)
-    engine = build_engine(model, cfg, dims, STEPS, acc.device_name())
-    runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
+    parts = build(cfg, dims, acc, VOCAB, STEPS)
+    engine, runner, device = parts.engine, parts.steps, parts.device
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)

@@ -19,10 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.parallel_dims import shutdown_distributed
-from megatron_lite.model import resolve_model
-from megatron_lite.parallel import build_parallel_model
-from megatron_lite.training.engine import build_engine
-from megatron_lite.training.step import StepRunner
+from megatron_lite.training.build import build
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 128_256
@@ -41,11 +38,8 @@ def main() -> None:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [*SETTINGS, *overrides])
     dims, acc = init_distributed(cfg, detect())
-    device = torch.device(acc.current_device_name())
-    model_cfg = resolve_model(cfg.model, VOCAB, cfg.data.seq_length, dims.tensor)
-    model = build_parallel_model(model_cfg, dims, device, cfg.training.seed, cfg.parallel.pipeline_partition)
-    engine = build_engine(model, cfg, dims, 2, acc.device_name())
-    runner = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg))
+    parts = build(cfg, dims, acc, VOCAB, 2)
+    runner, device = parts.steps, parts.device
     data = torch.randint(0, VOCAB, (8, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(0))
     runner.train_step(iter([data[:4]]), device)  # optimizer state and buffers exist from here on
     trace = out / f"trace{dims.rank}.json"

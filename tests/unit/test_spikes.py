@@ -98,9 +98,10 @@ def _steps(tracker, values, start=1, batch=4):
     actions = []
     for k, (loss, gnorm) in enumerate(values):
         step = start + k
-        tracker.begin_step(StepContext(step, (step - 1) * batch, 1e-3, batch))
-        tracker.judge(loss, gnorm)
-        actions.append(tracker.end_step(step * batch))
+        ctx = StepContext(step, (step - 1) * batch, 1e-3, batch, step * batch)
+        verdict, action = tracker.track(ctx, lambda loss=loss, gnorm=gnorm: tracker.judge(loss, gnorm))
+        assert verdict == (action in ("apply", "log"))  # the update is applied exactly then
+        actions.append(action)
     return actions
 
 

@@ -1,0 +1,74 @@
+"""One rank's training components from the config: model, kernels, compilation, DeepSpeed engine
+and the step runner.
+
+The one assembly used by a run (``run.py``), the benchmarks (``bench/``) and the distributed
+tests, so that what is measured and tested is what a run trains with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_lite.config.schema import Config, ModelConfig
+from megatron_lite.distributed import device as devmod
+from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.model import flops_per_token, resolve_model
+from megatron_lite.parallel import build_parallel_model
+from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
+from megatron_lite.parallel.random import rank_seed
+from megatron_lite.training.engine import build_engine
+from megatron_lite.training.step import StepRunner
+
+
+@dataclass
+class Components:
+    """What one rank trains with."""
+
+    acc: Any
+    """DeepSpeed's accelerator of this rank's device."""
+    model_cfg: ModelConfig
+    """The resolved model: the vocabulary padded for the tensor-parallel size."""
+    engine: Any
+    """The DeepSpeed engine; ``engine.module`` is this rank's part of the model."""
+    steps: StepRunner
+    """One optimizer step / evaluation batch for the layout."""
+    iters: int
+    """The optimizer steps the learning-rate schedule is planned for."""
+    flops_per_token: float
+    """Training FLOPs per token of the whole model (for MFU)."""
+    notes: list[str] = field(default_factory=list)
+    """What the build chose that belongs in the log: fused kernels, compilation."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.acc.current_device_name())
+
+
+def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -> Components:
+    """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``),
+    put the device's and the recipe's kernels into it, compile it when asked and wrap it in the
+    DeepSpeed engine, whose schedule plans for ``iters`` steps."""
+    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor)
+    torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
+    model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
+                                 cfg.parallel.pipeline_partition)
+    device_type = acc.device_name()
+    notes = []
+    kernels = devmod.device_kernels(acc)
+    fused = use_device_kernels(model, kernels) + (["adamw"] if kernels.adamw else [])
+    if fused:
+        notes.append(f"{device_type} fused kernels: {', '.join(fused)}")
+    if use_loss_kernel(model, cfg.training.kernels, device_type):
+        notes.append("output layer + loss: Liger Kernel's fused linear cross-entropy")
+    if cfg.training.compile or (device_type == "hpu" and cfg.training.hpu_mode == "compile"):
+        n = compile_blocks(model, acc.get_compile_backend())
+        notes.append(f"torch.compile: {n} transformer block(s) on this rank, backend "
+                     f"{acc.get_compile_backend()}")
+    engine = build_engine(model, cfg, dims, iters, device_type, kernels.adamw)
+    steps = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg),
+                       devmod.graph_break(acc, cfg.training.hpu_mode), kernels.clip_norm)
+    return Components(acc, model_cfg, engine, steps, iters,
+                      flops_per_token(model_cfg, cfg.data.seq_length), notes)

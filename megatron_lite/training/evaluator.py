@@ -1,0 +1,79 @@
+"""Validation loss and a text sample, at ``training.eval_interval`` and at the last step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from megatron_lite.config.schema import Config
+from megatron_lite.data.gpt_dataset import GlobalBatchSampler
+from megatron_lite.data.source import DataSource
+from megatron_lite.distributed.collectives import first_line, mean_over_ranks
+from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.logging import MetricsLogger
+from megatron_lite.training.build import Components
+from megatron_lite.training.generate import sample
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
+                 logger: MetricsLogger, log: Callable[[str], None]):
+        self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
+        self.logger, self.log = logger, log
+
+    def maybe_run(self, step: int, consumed_samples: int, last: bool) -> tuple[float, str | None] | None:
+        """Collective: at the interval or the last step, the validation loss (logged, with a
+        sample) and the sample's text; None at other steps."""
+        interval = self.cfg.training.eval_interval
+        if not ((interval and step % interval == 0) or last):
+            return None
+        val = self.loss()
+        try:
+            text = self.sample()
+        except Exception as e:  # a sample is for reading; it never fails a run
+            text = None
+            self.log(f"warning: sampling at step {step} failed ({type(e).__name__}: {first_line(e)}); "
+                     "training goes on")
+        record = {"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)),
+                  "consumed_samples": consumed_samples}
+        self.logger.log(record)
+        self.log(f"eval step {step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}")
+        if text is not None:
+            self.logger.text("sample", text, step)
+            self.log(f"sample at step {step}:\n{text}\n" + "-" * 40)
+        return val, text
+
+    @torch.no_grad()
+    def loss(self) -> float:
+        """The mean loss over ``training.eval_iters`` global batches from the start of the
+        validation split (the same batches at every evaluation)."""
+        cfg, engine, device = self.cfg, self.parts.engine, self.parts.device
+        valid = self.data.valid
+        sampler = GlobalBatchSampler(0, self.dims.global_batch(cfg), cfg.training.micro_batch_size,
+                                     self.dims.dp_rank, self.dims.data, wrap=len(valid))
+        batches = (torch.stack([valid[i] for i in idx]) for idx in sampler)
+        engine.eval()
+        total = torch.zeros((), device=device)
+        n = cfg.training.eval_iters
+        for _ in range(n):
+            total += self.parts.steps.eval_loss(batches, device)
+        engine.train()
+        return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
+
+    def sample(self) -> str | None:
+        t = self.cfg.training
+        if not t.sample_prompt or t.sample_tokens <= 0:
+            return None
+        p = self.cfg.parallel
+        if p.pipeline > 1 or p.ulysses > 1 or (p.sequence_parallel and p.tensor > 1):
+            return None  # generation runs whole prompts through one model replica
+        tok = self.data.tokenizer
+        model = self.parts.engine.module
+        was_training = model.training
+        model.eval()
+        ids = sample(model, tok.encode(t.sample_prompt), t.sample_tokens, self.cfg.data.seq_length,
+                     t.sample_temperature, t.sample_top_k, t.seed, self.parts.device)
+        model.train(was_training)
+        return t.sample_prompt + tok.decode(ids)
