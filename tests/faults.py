@@ -191,11 +191,11 @@ def _kill_tokenizer_on(preprocess) -> None:
     preprocess.encode_batch = encode_or_die
 
 
-def _sample_error(trainer_module) -> None:
+def _sample_error(evaluator) -> None:
     def broken_sample(*args, **kwargs):
         raise IndexError("list index out of range (injected)")
 
-    trainer_module.sample = broken_sample
+    evaluator.sample = broken_sample  # the module's name for training/generate.py's sample
 
 
 def _no_space(*_args, **_kwargs):
@@ -241,7 +241,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
-    "FAULT_SAMPLE_ERROR": ("megatron_lite.training.trainer", _sample_error),
+    "FAULT_SAMPLE_ERROR": ("megatron_lite.training.evaluator", _sample_error),
     "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),
