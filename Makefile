@@ -40,7 +40,7 @@ quickstart: install $(QS)/works_text_document.idx
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) data runs

@@ -4,10 +4,12 @@
 For a small Llama-style model on random tokens (same global batch everywhere), every layout is
 launched with torchrun; each measures its mean step time after warm-up and counts the
 collectives its ranks issue per step (calls and bytes, by operation and by process group:
-tensor, ulysses, data, pipeline p2p). The table shows the time relative to the single process
-and, where the count follows from the model alone, the theoretical count next to the measured.
-Groups are named by their ranks (the first of tensor, ulysses, pipeline, data, data+ulysses
-with those ranks; "self" for a group of one rank, which still costs a call).
+tensor, ulysses, data, pipeline p2p, HSDP's shard and replica groups, the host control
+groups). The table shows the time relative to the single process and, where the count follows
+from the model alone, the theoretical count next to the measured. Accelerator groups are named
+by their ranks (the first of tensor, ulysses, pipeline, data, data+ulysses, shard, replica with
+those ranks; "self" for a group of one rank, which still costs a call); the gloo groups of host
+control ("control", "checkpoint") by what they are.
 
     python bench/parallel_layouts.py [--layouts tp2 tp2-sp ulysses2 pp2 dp2-zero1 ...] [--steps 6]
 
@@ -68,6 +70,10 @@ def theoretical(layout: str, micro_batches: int) -> dict[str, int]:
     if layout == "pp2":
         # the first stage sends each micro-batch's activations and receives their gradients.
         return {"pipeline p2p send": m, "pipeline p2p recv": m}
+    if layout == "hsdp-2x2":
+        # Between the two shard groups: one all-reduce of each rank's gradient shard over its
+        # replica group; everything else of ZeRO-3 stays in the shard group.
+        return {"replica all_reduce": 1}
     if layout == "ulysses2":
         # q, k, v and the output: four all-to-alls per layer forward, four backward; the loss's
         # sum over the sequence slices, and (same two ranks here) the gradient all-reduce.
@@ -90,6 +96,8 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
     counting = [False]
     inside = [0]
     names: dict[tuple[int, ...], str] = {}
+    host_groups: dict[int, str] = {}
+    group_ranks: dict[str, list[int]] = {}
 
     def counted(op: str, fn):
         def wrapper(*args, **kwargs):
@@ -99,7 +107,9 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
                     kind = "pipeline p2p"
                 else:
                     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
-                    kind = names.get(ranks, "world" if group is None else f"ranks{list(ranks)}")
+                    kind = host_groups.get(id(group)) or names.get(ranks, "world" if group is None
+                                                                   else f"ranks{list(ranks)}")
+                    group_ranks[kind] = list(ranks or range(dist.get_world_size()))
                 given = [*args, kwargs.get("tensor"), kwargs.get("input"), kwargs.get("input_tensor")]
                 tensor = next((t for t in given if isinstance(t, torch.Tensor)), None)
                 if op in ("all_gather", "all_to_all") and len(args) > 1 and isinstance(args[1], torch.Tensor):
@@ -133,6 +143,12 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
         for ranks in dims.group_ranks(axes):
             # The first name wins where two dimensions have the same ranks.
             names.setdefault(tuple(ranks), label if len(ranks) > 1 else "self")
+    if dims.hsdp_shard_size:
+        for label, all_ranks in zip(("shard", "replica"), dims.hsdp_group_ranks(), strict=True):
+            for ranks in all_ranks:
+                names.setdefault(tuple(ranks), label if len(ranks) > 1 else "self")
+    for label in ("control", "checkpoint"):
+        host_groups[id(dims.group(label))] = label
     parts = build(cfg, dims, acc, None, 100)
     runner, device = parts.steps, parts.device
     data = torch.randint(0, 512, (4096, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(0))
@@ -153,13 +169,18 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
     if dims.rank == 0:
         Path(out).write_text(json.dumps({
             "step_s": seconds, "micro_batches": runner.grad_accum,
-            "counts": {k: v / steps for k, v in counts.items()},
+            "counts": {k: v / steps for k, v in counts.items()}, "groups": group_ranks,
+            "bytes": {k: v / steps for k, v in volume.items()},
             "mib": {k: v / steps / 2**20 for k, v in volume.items()}}))
 
 
 # ---------------------------------------------------------------- driver
-def launch(layout: str, steps: int, warmup: int) -> dict:
+def launch(layout: str, steps: int, warmup: int, env: dict[str, str] | None = None,
+           extra: tuple[str, ...] = ()) -> dict:
+    """Run ``layout`` under torchrun; ``env``: the ranks' environment (default: this one's);
+    ``extra``: overrides of the model above."""
     nproc, overrides = LAYOUTS[layout]
+    overrides = [*overrides, *extra]
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/result.json"
         me = [str(Path(__file__).resolve()), "--worker", out, "--steps", str(steps), "--warmup", str(warmup),
@@ -169,7 +190,7 @@ def launch(layout: str, steps: int, warmup: int) -> dict:
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                    "--master-port", str(29000 + os.getpid() % 1000), *me]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = dict(env or {**os.environ, "PYTHONPATH": str(REPO)})
         env.setdefault("DS_ACCELERATOR", "cpu")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

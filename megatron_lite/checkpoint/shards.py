@@ -5,8 +5,8 @@ tensor-parallel slice it belongs to (dim, rank, size) and the range of elements 
 that slice, flattened, that this rank owns (its ZeRO partition; the whole slice without ZeRO).
 A rank saves one *fragment* per parameter it owns: the fp32 weights and the Adam moments of that
 range. Replicated state is saved once: a tensor-parallel-replicated parameter only by tensor
-rank 0, an unsharded optimizer only by the first data-parallel replica, a weight tied across
-pipeline stages only by its owning stage.
+rank 0, an unsharded optimizer only by the first data-parallel replica, an HSDP shard group's
+partitions only by its first copy, a weight tied across pipeline stages only by its owning stage.
 
 Loading assembles, for each local parameter, the full tensors from whatever fragments the
 checkpoint has (written by any layout) and cuts this rank's fragment out of them; so a
@@ -99,7 +99,7 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
             from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
             start, numel = ds.zero3_range(p)
-            if numel == 0:
+            if numel == 0 or dims.replica_rank != 0:  # HSDP: the other copies hold the same
                 continue
             tensors = {"param": safe_get_local_fp32_param(p)[:numel].detach().float().cpu().clone()}
             for key in STATE_KEYS:

@@ -171,8 +171,11 @@ class ParallelConfig:
     zero_stage: int = choice(0, 1, 2, 3)
     """DeepSpeed ZeRO stage for the data-parallel dimension (the pipeline engine allows 0 and 1)."""
     hsdp: bool = False
-    """HSDP-style sharding: ZeRO-3 whose parameter all-gathers stay within groups of
-    ``hsdp_shard_size`` ranks (ZeRO++ hierarchical partitioning). Needs ``zero_stage`` 3 or 0."""
+    """Hybrid sharding (FSDP's HYBRID_SHARD, as IBM trained 7B models): ZeRO-3 within shard
+    groups of ``hsdp_shard_size`` ranks (weights, gradients and optimizer state sharded there,
+    parameter gathers inside the group) and data-parallel replicas of the shard group across
+    them. Per step the only traffic between shard groups is each rank's gradient shard averaged
+    over its replica group. Needs ``zero_stage`` 3 or 0 and ``ulysses`` 1."""
     hsdp_shard_size: Optional[int] = None
     """Ranks in one HSDP shard group; null means the ranks of one node."""
 

@@ -178,8 +178,14 @@ def _parallel_problems(cfg: Config) -> list[str]:
         out.append(f"'parallel.zero_stage' = {p.zero_stage} with 'parallel.pipeline' = {p.pipeline}: "
                    "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; set "
                    "parallel.zero_stage=1")
+    if p.hsdp and p.ulysses > 1:
+        out.append(f"'parallel.hsdp' = true with 'parallel.ulysses' = {p.ulysses}: not in this "
+                   "version (HSDP's shard and replica groups are cut from the data-parallel ranks, "
+                   "and a Ulysses group shares one ZeRO partition with its data ranks); use "
+                   "parallel.zero_stage=3 without HSDP, or Megatron sequence parallelism with "
+                   "parallel.tensor")
     if p.hsdp and p.zero_stage in (1, 2):
-        out.append(f"'parallel.hsdp' = true is ZeRO-3 with node-local parameter gathers, but "
+        out.append(f"'parallel.hsdp' = true is ZeRO-3 within each shard group, but "
                    f"'parallel.zero_stage' = {p.zero_stage}; set parallel.zero_stage=3 (or 0)")
     if p.hsdp and p.pipeline > 1:
         out.append("'parallel.hsdp' = true needs ZeRO-3, which DeepSpeed's pipeline engine does not "

@@ -40,6 +40,7 @@ RELIED_ON = (
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_lazy_init_hp_params_optimizer_state"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_global_grad_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "grad_partitions_flat_buffer"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_tensor"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_numel"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_shape"),
@@ -169,6 +170,14 @@ def zero3_range(param: nn.Parameter) -> tuple[int, int]:
 def full_shape(param: nn.Parameter) -> tuple[int, ...]:
     """The parameter's shape, also under ZeRO-3 (which empties it and keeps ``ds_shape``)."""
     return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
+def zero3_gradient_shard(engine) -> torch.Tensor:
+    """ZeRO-3 with the optimizer state on the device: this rank's gradient partitions of every
+    parameter as one flat tensor (``grad_partitions_flat_buffer``), complete once the backward
+    pass that ends a step returns, and what the optimizer step reads (and clips, and takes the
+    norm of)."""
+    return engine.optimizer.grad_partitions_flat_buffer
 
 
 def zero3_flat_groups(engine) -> list[torch.Tensor]:

@@ -45,7 +45,8 @@ class ParallelDims:
     ulysses: int = 1
     sequence_parallel: bool = False
     hsdp_shard_size: int = 0
-    """0: no HSDP; otherwise ZeRO-3 gathers parameters within groups of this many ranks."""
+    """0: no HSDP; otherwise ZeRO-3 shards within groups of this many data-parallel ranks
+    (``shard`` groups), whose replicas average gradient shards over ``replica`` groups."""
     groups: dict = field(default_factory=dict, compare=False, repr=False)
 
     def size(self, axis: str) -> int:
@@ -79,6 +80,37 @@ class ParallelDims:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def hsdp_replicas(self) -> int:
+        """How many copies of each shard group there are (1 without HSDP)."""
+        return self.data // self.hsdp_shard_size if self.hsdp_shard_size else 1
+
+    @property
+    def deepspeed_data(self) -> int:
+        """The data-parallel size DeepSpeed sees: one shard group under HSDP."""
+        return self.hsdp_shard_size or self.data
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its HSDP shard group (its ZeRO partition)."""
+        return self.dp_rank % self.hsdp_shard_size if self.hsdp_shard_size else self.dp_rank
+
+    @property
+    def replica_rank(self) -> int:
+        """Which copy of the shard group this rank belongs to (0 without HSDP)."""
+        return self.dp_rank // self.hsdp_shard_size if self.hsdp_shard_size else 0
+
+    def hsdp_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(shard groups, replica groups): each data-parallel group cut into consecutive runs of
+        ``hsdp_shard_size`` ranks (neighbours: one node by default), and the ranks at the same
+        place in each run."""
+        shards, replicas = [], []
+        for ranks in self.group_ranks(("data",)):
+            runs = [ranks[i:i + self.hsdp_shard_size] for i in range(0, len(ranks), self.hsdp_shard_size)]
+            shards += runs
+            replicas += [list(column) for column in zip(*runs, strict=True)]
+        return shards, replicas
+
     def group_ranks(self, axes: tuple[str, ...]) -> list[list[int]]:
         """All groups of ranks that differ only along ``axes`` (each sorted)."""
         by_key: dict[tuple[int, ...], list[int]] = {}
@@ -98,6 +130,12 @@ class ParallelDims:
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
+        if self.hsdp_shard_size:
+            for name, all_ranks in zip(("shard", "replica"), self.hsdp_group_ranks(), strict=True):
+                for ranks in all_ranks:
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if self.rank in ranks:
+                        self.groups[name] = group
         if self.pipeline > 1:
             # The first and last stage of each pipeline (Megatron's embedding group): the two
             # copies of a tied embedding sum their gradients over it.
@@ -146,10 +184,10 @@ class ParallelDims:
                             "to model.vocab_multiple × parallel.tensor)")
         shard = 0
         if p.hsdp:
-            shard = p.hsdp_shard_size or local_world_size
-            sharded = dp * p.ulysses
-            if shard < 1 or sharded % shard:
-                problems.append(f"parallel.hsdp_shard_size={shard} must divide the {sharded} "
+            # Default: the data-parallel ranks of one node (its other ranks are tensor peers).
+            shard = p.hsdp_shard_size or max(1, local_world_size // (p.tensor * p.ulysses))
+            if shard < 1 or dp % shard:
+                problems.append(f"parallel.hsdp_shard_size={shard} must divide the {dp} "
                                 "data-parallel ranks (default: the ranks of one node)")
         if problems:
             raise TopologyError("parallel layout problem(s):\n" + "\n".join(f"  - {x}" for x in problems))
@@ -165,21 +203,35 @@ class ParallelDims:
 
 class ModelParallelUnit:
     """The ``mpu`` interface DeepSpeed's engine queries (Megatron's names). Used without
-    pipeline parallelism; the pipeline engine builds its own from the same rank order."""
+    pipeline parallelism; the pipeline engine builds its own from the same rank order.
+
+    Under HSDP, DeepSpeed's data-parallel world is the shard group: ZeRO-3 shards, gathers and
+    reduces gradients there and knows nothing of the replicas, whose gradient average
+    ``StepRunner`` adds (one all-reduce of each rank's gradient shard over its replica group).
+    """
 
     def __init__(self, dims: ParallelDims):
         self.dims = dims
+        # HSDP holds no Ulysses ranks (config validation), so data and data × Ulysses coincide.
+        self._deepspeed_data = "shard" if dims.hsdp_shard_size else None
 
     def _size(self, name: str) -> int:
-        return {"sequence_data": self.dims.data * self.dims.ulysses}.get(name) or self.dims.size(name)
+        d = self.dims
+        if self._deepspeed_data and name in ("data", "sequence_data"):
+            return d.deepspeed_data
+        return {"sequence_data": d.data * d.ulysses}.get(name) or d.size(name)
 
     def _rank(self, name: str) -> int:
         d = self.dims
+        if self._deepspeed_data and name in ("data", "sequence_data"):
+            return d.shard_rank
         if name == "sequence_data":
             return d.dp_rank * d.ulysses + d.sp_rank
         return d.coordinate(name)
 
     def _group(self, name: str):
+        if self._deepspeed_data and name in ("data", "sequence_data"):
+            name = self._deepspeed_data
         return self.dims.group(name)
 
     # tensor (= model) parallel

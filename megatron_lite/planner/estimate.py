@@ -5,8 +5,8 @@ Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
 - **Model states** (ZeRO paper accounting). Mixed precision (bf16/fp16) keeps 2 bytes of weights,
   2 of gradients and 12 of optimizer state (fp32 master copy, Adam's two moments) per parameter:
   16 in all. fp32 keeps 4 + 4 + 8. ZeRO-1 divides the optimizer state, ZeRO-2 also the gradients,
-  ZeRO-3 also the weights, by the ranks they are sharded over (data × Ulysses); HSDP (ZeRO-3 with
-  a hierarchical copy) adds a second copy of the 2-byte weights sharded over its shard group.
+  ZeRO-3 also the weights, by the ranks they are sharded over (data × Ulysses; under HSDP the
+  shard group only, since its copies hold the same partitions).
   Tensor parallelism divides everything but the norms (replicated), pipeline parallelism keeps
   only a stage's layers.
 - **Activations** per transformer block and micro-batch of ``b`` sequences of ``s`` tokens
@@ -55,7 +55,6 @@ class Plan:
     weights: float
     grads: float
     optimizer: float
-    hsdp_copy: float
     activations: float
     activations_other: float
     """Activations with the other ``activation_checkpointing`` setting."""
@@ -67,7 +66,7 @@ class Plan:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.hsdp_copy + self.activations
+        return (self.weights + self.grads + self.optimizer + self.activations
                 + self.output_layer)
 
 
@@ -140,11 +139,11 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
 
     mixed = cfg.training.precision != "fp32"
     w_bytes, g_bytes, o_bytes = (2, 2, 12) if mixed else (4, 4, 8)
-    stage, shard = cfg.parallel.deepspeed_zero_stage, dims.data * dims.ulysses
+    stage = cfg.parallel.deepspeed_zero_stage
+    shard = dims.hsdp_shard_size or dims.data * dims.ulysses
     weights = p * w_bytes / (shard if stage >= 3 else 1)
     grads = p * g_bytes / (shard if stage >= 2 else 1)
     optimizer = p * o_bytes / (shard if stage >= 1 else 1)
-    hsdp_copy = p * w_bytes / dims.hsdp_shard_size if dims.hsdp_shard_size else 0.0
 
     accum = dims.grad_accumulation(cfg)
     in_flight = min(dims.pipeline, accum) if dims.pipeline > 1 else 1
@@ -155,7 +154,7 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
         # While a checkpointed block is recomputed its full activations exist once more.
         return stored + (activation_bytes(model, cfg, dims, False) if rc else 0.0)
 
-    return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer, hsdp_copy,
+    return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer,
                 acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims),
                 flops_per_token(model, cfg.data.seq_length),
                 dims.global_batch(cfg) * cfg.data.seq_length, accum)

@@ -44,7 +44,8 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         "TFLOP/s peak each",
         f"layout: tensor {d.tensor}{' + sequence parallel' if d.sequence_parallel else ''} × pipeline "
         f"{d.pipeline} × ulysses {d.ulysses} × data {d.data}, ZeRO-{cfg.parallel.deepspeed_zero_stage}"
-        + (f" (HSDP, shard groups of {d.hsdp_shard_size})" if d.hsdp_shard_size else ""),
+        + (f" (HSDP: shard groups of {d.hsdp_shard_size} × {d.hsdp_replicas} replicas)"
+           if d.hsdp_shard_size else ""),
         f"batch: micro {t.micro_batch_size} × accumulation {plan.grad_accumulation} × data {d.data} = "
         f"{d.global_batch(cfg)} sequences of {cfg.data.seq_length} tokens ({plan.tokens_per_step:,} "
         "tokens per step)",
@@ -56,8 +57,6 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
     other = "off" if recompute else "on"
     rows = [("weights", plan.weights, ""), ("gradients", plan.grads, ""),
             ("optimizer (master + Adam)", plan.optimizer, "")]
-    if plan.hsdp_copy:
-        rows.append(("HSDP secondary weights", plan.hsdp_copy, ""))
     rows += [(f"activations (recompute {'on' if recompute else 'off'})", plan.activations,
               f"{plan.in_flight} micro-batch(es) in flight; recompute {other}: "
               f"{plan.activations_other / GB:.2f}"),

@@ -37,7 +37,8 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
     """The DeepSpeed config generated from the recipe, with its ``deepspeed:`` block merged over."""
     t = cfg.training
     generated = {
-        "train_batch_size": dims.global_batch(cfg),
+        # DeepSpeed's view: under HSDP its data-parallel world is one shard group.
+        "train_batch_size": t.micro_batch_size * dims.grad_accumulation(cfg) * dims.deepspeed_data,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": dims.grad_accumulation(cfg),
         "gradient_clipping": 0.0 if trainer_clips_gradients(cfg) else cfg.optimizer.grad_clip,
@@ -51,10 +52,6 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
-    if dims.hsdp_shard_size:
-        # ZeRO++ hierarchical partitioning: a second copy of the parameters, sharded within each
-        # group of hsdp_shard_size ranks, serves the backward all-gathers inside the group.
-        generated["zero_optimization"]["zero_hpz_partition_size"] = dims.hsdp_shard_size
     extra = copy.deepcopy(dict(cfg.deepspeed))
     problems = _contradictions(cfg, dims, extra)
     if problems:
@@ -77,9 +74,6 @@ def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]
         "bf16.enabled": (cfg.training.precision == "bf16", "training.precision"),
         "fp16.enabled": (cfg.training.precision == "fp16", "training.precision"),
     }
-    if dims.hsdp_shard_size:  # without HSDP, ZeRO++ hpZ is the deepspeed: block's own choice
-        owned["zero_optimization.zero_hpz_partition_size"] = (dims.hsdp_shard_size,
-                                                              "parallel.hsdp_shard_size")
     return owned
 
 

@@ -158,6 +158,8 @@ class StepRunner:
             self.graph_break()
             loss_sum += loss.detach().float()
             last = micro == self.grad_accum - 1
+            if last and self.dims.hsdp_replicas > 1:
+                self._average_over_replicas()
             if self.own_clipping and last:
                 self.grad_norm = clip_grad_norm(list(engine.module.parameters()),
                                                 self.cfg.optimizer.grad_clip, self.dims, self.clip_kernel)
@@ -170,6 +172,15 @@ class StepRunner:
         if self.judge is not None:
             self._after_step()
         return loss_sum
+
+    def _average_over_replicas(self) -> None:
+        """HSDP: DeepSpeed averaged the gradients within the shard group (its whole data-parallel
+        world); average each rank's shard over the copies of its shard group too. The one
+        exchange between shard groups per step: this rank's shard, on the device, over its
+        ``replica`` group."""
+        shard = ds.zero3_gradient_shard(self.engine)
+        collectives.all_reduce(shard, self.dims.group("replica"))
+        shard.div_(self.dims.hsdp_replicas)
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:

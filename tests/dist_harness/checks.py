@@ -75,9 +75,13 @@ def _project_frame():
     return None
 
 
+# bench/parallel_layouts.py wraps the collectives to count them: its wrapper is never the caller.
+_COUNTING_WRAPPER = os.path.join(REPO, "bench", "parallel_layouts.py")
+
+
 def _from_deepspeed() -> bool:
     """Whether the collective was called by DeepSpeed itself (not through it by our code)."""
-    skip = (os.sep + "torch" + os.sep, os.path.dirname(__file__))
+    skip = (os.sep + "torch" + os.sep, os.path.dirname(__file__), _COUNTING_WRAPPER)
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not any(s in frame.filename for s in skip):
             return os.sep + "deepspeed" + os.sep in frame.filename
@@ -86,7 +90,8 @@ def _from_deepspeed() -> bool:
 
 def _call_site() -> str:
     """The first frame outside torch, DeepSpeed and this harness: the code that made the call."""
-    skip = (os.sep + "torch" + os.sep, os.sep + "deepspeed" + os.sep, os.path.dirname(__file__))
+    skip = (os.sep + "torch" + os.sep, os.sep + "deepspeed" + os.sep, os.path.dirname(__file__),
+            _COUNTING_WRAPPER)
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not any(s in frame.filename for s in skip):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"

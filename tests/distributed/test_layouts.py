@@ -29,6 +29,7 @@ LAYOUTS = {
     "dp2-zero2": (2, ["parallel.zero_stage=2"]),
     "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "hsdp-2x2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]),
+    "hsdp-2x4": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=4", "training.micro_batch_size=1"]),
 }
 
 

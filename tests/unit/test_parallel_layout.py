@@ -42,6 +42,21 @@ def test_coordinates_and_ulysses_groups():
 def test_hsdp_shard_size_defaults_to_the_node():
     dims = _dims(8, ["parallel.hsdp=true"])[0]
     assert dims.hsdp_shard_size == 4
+    # With tensor parallelism a node of 4 holds 2 data-parallel ranks.
+    assert _dims(8, ["parallel.hsdp=true", "parallel.tensor=2"])[0].hsdp_shard_size == 2
+
+
+def test_hsdp_groups_and_what_deepspeed_sees():
+    # 8 ranks, tensor 2: data groups [0, 2, 4, 6] and [1, 3, 5, 7], shard groups of 2.
+    dims = _dims(8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2", "parallel.tensor=2"])
+    shards, replicas = dims[0].hsdp_group_ranks()
+    assert sorted(shards) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(replicas) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    d = dims[6]  # data rank 3: the second place of the second shard group
+    assert (d.dp_rank, d.shard_rank, d.replica_rank, d.hsdp_replicas) == (3, 1, 1, 2)
+    mpu = d.mpu()
+    assert (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+            mpu.get_sequence_data_parallel_world_size()) == (1, 2, 2)
 
 
 def test_dropout_streams():

@@ -60,6 +60,15 @@ def test_llama2_7b_model_states():
             assert getattr(eight, part) == pytest.approx(want, rel=1e-12), (stage, part)
 
 
+def test_hsdp_shards_model_states_over_the_shard_group_only():
+    cfg, model = _cfg("llama2-7b.yaml", "parallel.hsdp=true", "parallel.hsdp_shard_size=4",
+                      "training.global_batch_size=16")
+    plan = estimate(cfg, model, 16, 4)  # 4 nodes: 4 copies of a shard group of 4
+    # bf16: 2 + 2 + 12 bytes per parameter, all divided by the 4 ranks of the shard group.
+    assert (plan.weights, plan.grads, plan.optimizer) == (2 * LLAMA2_7B / 4, 2 * LLAMA2_7B / 4,
+                                                          12 * LLAMA2_7B / 4)
+
+
 def test_tensor_and_pipeline_split_by_hand():
     cfg, model = _cfg("quickstart.yaml", "model.n_layers=4", "model.d_model=64", "model.n_heads=4",
                       "model.n_kv_heads=4", "model.ffn_hidden=128", "model.vocab_size=256",
