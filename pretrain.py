@@ -11,7 +11,8 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
   --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
                       does not fit); with --world-size N (default: one node), --gpus-per-node G
                       (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3;
-                      default A100-40GB), --mfu X (default 0.4)
+                      default A100-40GB), --mfu X (default 0.4), --host-memory-gb GB (a node's
+                      host memory, for offload; default: a typical node for the device)
 
 Multi-process: torchrun --nproc-per-node N pretrain.py RECIPE ... (or launch/polaris.sh, gaudi.sh).
 Exit status: 0 when the run finished as asked; otherwise non-zero with a one-line reason.
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> int:
 
 
 VALUE_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float,
-                "--get": str}
+                "--host-memory-gb": float, "--get": str}
 
 
 def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
@@ -153,7 +154,7 @@ def _plan(cfg, values: dict) -> int:
             world = replica
     try:
         lines, fits = plan_report(cfg, world, per_node, values.get("--device", "A100-40GB"),
-                                  values.get("--mfu", 0.4))
+                                  values.get("--mfu", 0.4), values.get("--host-memory-gb"))
     except (TopologyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import ShardSpec, spec
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
+from megatron_lite.optim.optimizer import first_step_state
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -65,17 +66,12 @@ def ensure_optimizer_state(engine) -> None:
     """Give every parameter of the optimizer an Adam state (zeros where no step was taken yet) and
     have DeepSpeed's ZeRO 1/2 link its per-parameter views to it: both are lazy otherwise."""
     opt = torch_optimizer(engine)
-    fused = bool(opt.defaults.get("fused"))
     flat = [p for group in opt.param_groups for p in group["params"]]
     # ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside param_groups.
     flat += ds.zero3_flat_groups(engine)
     for p in flat:
-        state = opt.state[p]
-        if not state:
-            # As torch's AdamW creates it on its first step.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not opt.state[p]:
+            opt.state[p].update(first_step_state(opt, p))
     ds.relink_optimizer_state(engine)
 
 

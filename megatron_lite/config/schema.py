@@ -178,6 +178,17 @@ class ParallelConfig:
     over its replica group. Needs ``zero_stage`` 3 or 0 and ``ulysses`` 1."""
     hsdp_shard_size: Optional[int] = None
     """Ranks in one HSDP shard group; null means the ranks of one node."""
+    offload_optimizer: str = choice("none", "cpu", "nvme")
+    """ZeRO-Offload: where the fp32 master weights and Adam moments live and the update runs.
+    ``cpu``: host memory, updated by DeepSpeed's CPU Adam (needs ``zero_stage`` ≥ 1); ``nvme``:
+    files under ``nvme_path``, streamed through host memory (ZeRO-Infinity; ``zero_stage`` 3
+    and DeepSpeed's async-I/O op, which needs libaio)."""
+    offload_params: str = choice("none", "cpu", "nvme")
+    """ZeRO-3 only: where the (sharded) parameters wait between uses: host memory or files
+    under ``nvme_path``; each layer's are brought to the device when it runs."""
+    nvme_path: Optional[str] = None
+    """A directory on a fast node-local disk for ``nvme`` offload (each rank writes its own
+    files there)."""
 
     @property
     def deepspeed_zero_stage(self) -> int:

@@ -190,6 +190,24 @@ def _parallel_problems(cfg: Config) -> list[str]:
     if p.hsdp and p.pipeline > 1:
         out.append("'parallel.hsdp' = true needs ZeRO-3, which DeepSpeed's pipeline engine does not "
                    "support; use parallel.zero_stage=1 with pipeline parallelism")
+    stage = p.deepspeed_zero_stage
+    if p.offload_optimizer != "none" and stage == 0:
+        out.append(f"'parallel.offload_optimizer' = {p.offload_optimizer} offloads ZeRO's optimizer "
+                   "partitions and needs 'parallel.zero_stage' 1, 2 or 3")
+    if "nvme" in (p.offload_optimizer, p.offload_params) and stage != 3:
+        out.append(f"NVMe offload needs ZeRO-3 (DeepSpeed's ZeRO-Infinity); 'parallel.zero_stage' = "
+                   f"{p.zero_stage}: set parallel.zero_stage=3")
+    if p.offload_params != "none" and stage != 3:
+        out.append(f"'parallel.offload_params' = {p.offload_params} needs ZeRO-3, which alone shards "
+                   f"the parameters; 'parallel.zero_stage' = {p.zero_stage}")
+    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
+        out.append("NVMe offload needs 'parallel.nvme_path' (a directory on a node-local disk)")
+    if (p.offload_optimizer != "none" or p.offload_params != "none") and p.pipeline > 1:
+        out.append("offload with 'parallel.pipeline' > 1 is not supported in this version; "
+                   "use parallel.pipeline=1 with ZeRO and offload, or no offload")
+    if p.offload_optimizer != "none" and p.hsdp:
+        out.append("'parallel.offload_optimizer' with 'parallel.hsdp': not in this version (HSDP "
+                   "averages the gradient shards on the device, where offload no longer keeps them)")
     if p.hsdp_shard_size is not None and p.hsdp_shard_size < 1:
         out.append(f"'parallel.hsdp_shard_size' = {p.hsdp_shard_size} must be at least 1 (or null: "
                    "the ranks of one node)")

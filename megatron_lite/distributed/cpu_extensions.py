@@ -95,11 +95,22 @@ def wait_for_build(log: Callable[[str], None], stale_after: float = STALE_AFTER_
 
 
 def build() -> None:
-    """Build the op now (as a run would, into the same directory)."""
+    """Build the op now (as a run would, into the same directory), and DeepSpeed's CPU Adam,
+    which ZeRO-Offload (``parallel.offload_optimizer``) compiles on first use otherwise."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_environment_extensions_dir()
     wait_for_build(print)
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
 
     ShareMemCommBuilder().load()
     print(f"DeepSpeed's {OP} is built in {build_directory()}")
+    CPUAdamBuilder().load()
+    print("DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) is built")
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        AsyncIOBuilder().load()
+        print("DeepSpeed's async-I/O op (NVMe offload) is built")
+    else:
+        print("DeepSpeed's async-I/O op (NVMe offload) is not built: libaio's headers and library "
+              "are missing (apt install libaio-dev)")

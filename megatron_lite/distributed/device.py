@@ -28,18 +28,21 @@ class DeviceSpec:
     """Peak FLOP/s for fp32 training (TF32 tensor cores on NVIDIA)."""
     memory_gb: float
     """Device memory, GB (10^9 bytes)."""
+    host_memory_gb: float = 512
+    """Host memory of a typical node carrying this device, GB (where ZeRO-Offload puts its
+    state; the planner's ``--host-memory-gb`` overrides it)."""
 
 
 # Vendor data sheets (SXM/OAM parts). CPUs have no entry and report no MFU. The name is matched
 # against the device's reported name: every dash-separated part of the key must appear in it
 # (so "NVIDIA A100-SXM4-80GB" is an A100-80GB), else the first part alone.
 DEVICES = {
-    "A100-40GB": DeviceSpec(312e12, 156e12, 40),
-    "A100-80GB": DeviceSpec(312e12, 156e12, 80),
-    "H100": DeviceSpec(989e12, 494e12, 80),
-    "H200": DeviceSpec(989e12, 494e12, 141),
-    "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96),
-    "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128),
+    "A100-40GB": DeviceSpec(312e12, 156e12, 40, 512),  # a Polaris node
+    "A100-80GB": DeviceSpec(312e12, 156e12, 80, 1000),  # DGX A100 (1 TB)
+    "H100": DeviceSpec(989e12, 494e12, 80, 2000),  # DGX H100 (2 TB)
+    "H200": DeviceSpec(989e12, 494e12, 141, 2000),
+    "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96, 1000),  # HLS-Gaudi2 (1 TB)
+    "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128, 1000),
 }
 
 

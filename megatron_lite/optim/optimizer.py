@@ -18,9 +18,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
-                    adamw: type | None = None) -> torch.optim.Optimizer:
-    """AdamW; ``adamw``: a device's fused class with torch's arguments (Gaudi's FusedAdamW)."""
+                    adamw: type | None = None, offloaded: bool = False) -> torch.optim.Optimizer:
+    """AdamW; ``adamw``: a device's fused class with torch's arguments (Gaudi's FusedAdamW);
+    ``offloaded``: the update runs on the host (ZeRO-Offload), by DeepSpeed's CPU Adam (SIMD,
+    multi-threaded; DeepSpeed refuses another optimizer there)."""
     groups = param_groups(model, cfg.weight_decay)
+    if offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                adamw_mode=True)
     if adamw is not None:
         return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # torch's fused AdamW has kernels for CUDA and CPU; elsewhere the multi-tensor path.
@@ -28,3 +35,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
     return torch.optim.AdamW(groups, lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused, foreach=None if fused else True)
+
+
+def first_step_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The Adam state ``opt`` would create for ``p`` on its first step (zero moments, step 0):
+    torch's AdamW counts steps in a tensor (on the parameter's device for the fused kernel),
+    DeepSpeed's CPU Adam in an int."""
+    moments = {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+               "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if isinstance(opt, DeepSpeedCPUAdam):
+        return {"step": 0, **moments}
+    fused = bool(opt.defaults.get("fused"))
+    return {"step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"), **moments}

@@ -9,6 +9,12 @@ Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
   shard group only, since its copies hold the same partitions).
   Tensor parallelism divides everything but the norms (replicated), pipeline parallelism keeps
   only a stage's layers.
+- **Offload** (ZeRO-Offload / ZeRO-Infinity): ``parallel.offload_optimizer`` moves the fp32
+  master weights, the Adam moments and an fp32 gradient partition (4 + 8 + 4 = 16 bytes per
+  parameter, divided by the ZeRO ranks) to host memory (``cpu``) or NVMe files (``nvme``); the
+  device keeps no optimizer state and, with ZeRO-2/3, no gradient partition (ZeRO-1 still holds
+  whole gradients). ``parallel.offload_params`` (ZeRO-3)
+  moves the sharded weights the same way. Host memory is per node (ranks per node × per rank).
 - **Activations** per transformer block and micro-batch of ``b`` sequences of ``s`` tokens
   (Korthikanti et al. 2022, for an attention kernel that stores no score matrix, as SDPA's
   flash/memory-efficient kernels do): elements kept for backward are the two norms' inputs and
@@ -55,6 +61,10 @@ class Plan:
     weights: float
     grads: float
     optimizer: float
+    host: float
+    """Offloaded state in host memory, per rank."""
+    nvme: float
+    """Offloaded state in NVMe files, per rank."""
     activations: float
     activations_other: float
     """Activations with the other ``activation_checkpointing`` setting."""
@@ -144,6 +154,17 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
     weights = p * w_bytes / (shard if stage >= 3 else 1)
     grads = p * g_bytes / (shard if stage >= 2 else 1)
     optimizer = p * o_bytes / (shard if stage >= 1 else 1)
+    offloaded = {"cpu": 0.0, "nvme": 0.0}
+    where = cfg.parallel.offload_optimizer
+    if where != "none":
+        # fp32 master weights, Adam's two moments and the fp32 gradient: 16 bytes per parameter
+        # (in fp32 training too: the host keeps its own fp32 copy to update).
+        offloaded[where] += p * 16 / shard
+        optimizer = 0.0
+        grads = grads if stage == 1 else 0.0
+    if cfg.parallel.offload_params != "none":
+        offloaded[cfg.parallel.offload_params] += weights
+        weights = 0.0
 
     accum = dims.grad_accumulation(cfg)
     in_flight = min(dims.pipeline, accum) if dims.pipeline > 1 else 1
@@ -155,6 +176,7 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
         return stored + (activation_bytes(model, cfg, dims, False) if rc else 0.0)
 
     return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer,
+                offloaded["cpu"], offloaded["nvme"],
                 acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims),
                 flops_per_token(model, cfg.data.seq_length),
                 dims.global_batch(cfg) * cfg.data.seq_length, accum)
@@ -169,6 +191,11 @@ def step_time(plan: Plan, spec: DeviceSpec, precision: str, mfu: float) -> tuple
 
 def fits(plan: Plan, spec: DeviceSpec) -> bool:
     return plan.total <= spec.memory_gb * GB
+
+
+def host_per_node(plan: Plan, gpus_per_node: int) -> float:
+    """Offloaded host memory of one node (its ranks' shares)."""
+    return plan.host * min(gpus_per_node, plan.dims.world_size)
 
 
 def round_gb(x: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import resolve_model
-from megatron_lite.planner.estimate import GB, estimate, fits, step_time
+from megatron_lite.planner.estimate import GB, estimate, fits, host_per_node, step_time
 
 ASSUMED_VOCAB = 32000
 
@@ -27,8 +27,9 @@ def _vocab(cfg: Config) -> tuple[int | None, str | None]:
 
 
 def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
-                mfu: float) -> tuple[list[str], bool]:
-    """Lines to print and whether the run fits in the device's memory."""
+                mfu: float, host_memory_gb: float | None = None) -> tuple[list[str], bool]:
+    """Lines to print and whether the run fits in the device's memory (and, with offload, in the
+    node's host memory: ``host_memory_gb``, default the device table's typical node)."""
     spec = device_spec(device)
     if spec is None:
         raise ValueError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
@@ -63,6 +64,16 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
              ("output layer and loss", plan.output_layer, "one micro-batch, at the loss"),
              ("total", plan.total, f"of {spec.memory_gb:g}")]
     lines += [f"  {label:<30} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
+    host_gb = host_memory_gb or spec.host_memory_gb
+    node_host = host_per_node(plan, gpus_per_node)
+    if plan.host or plan.nvme:
+        lines += ["", "offloaded (ZeRO-Offload), per device and per node"]
+        if plan.host:
+            lines.append(f"  {'host memory':<30} {plan.host / GB:8.2f}   {node_host / GB:.2f} per node "
+                         f"of {host_gb:g}")
+        if plan.nvme:
+            lines.append(f"  {'NVMe files':<30} {plan.nvme / GB:8.2f}   "
+                         f"{plan.nvme * min(gpus_per_node, world_size) / GB:.2f} per node")
     lines.append("")
     seconds, tokens = step_time(plan, spec, t.precision, mfu)
     lines += [
@@ -73,6 +84,11 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
     ]
     ok = fits(plan, spec)
     warnings = [note] if note else []
+    if node_host > 0.9 * host_gb * GB:
+        warnings.append(f"does NOT fit the host: {node_host / GB:.1f} GB of offloaded state per node, "
+                        f"{host_gb:g} GB of host memory (and the OS, data loaders and pinned buffers "
+                        "need their share); offload to nvme, use more nodes, or --host-memory-gb")
+    host_ok = node_host <= 0.9 * host_gb * GB
     if not ok:
         warnings.append(f"does NOT fit: {plan.total / GB:.1f} GB needed per device, {spec.memory_gb:g} GB "
                         "available; raise parallel.zero_stage / tensor / pipeline, turn on "
@@ -82,4 +98,4 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
                         "fragmentation usually need 10-20% more")
     if warnings:
         lines += [""] + [f"warning: {w}" for w in warnings]
-    return lines, ok
+    return lines, ok and host_ok

@@ -52,6 +52,14 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+    zero = generated["zero_optimization"]
+    for key, where in (("offload_optimizer", cfg.parallel.offload_optimizer),
+                       ("offload_param", cfg.parallel.offload_params)):
+        if where != "none":
+            # Pinned host buffers: the device copies them asynchronously.
+            zero[key] = {"device": where, "pin_memory": True}
+            if where == "nvme":
+                zero[key]["nvme_path"] = cfg.parallel.nvme_path
     extra = copy.deepcopy(dict(cfg.deepspeed))
     problems = _contradictions(cfg, dims, extra)
     if problems:
@@ -73,6 +81,9 @@ def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]
         "zero_optimization.stage": (cfg.parallel.deepspeed_zero_stage, "parallel.zero_stage / parallel.hsdp"),
         "bf16.enabled": (cfg.training.precision == "bf16", "training.precision"),
         "fp16.enabled": (cfg.training.precision == "fp16", "training.precision"),
+        "zero_optimization.offload_optimizer.device": (cfg.parallel.offload_optimizer,
+                                                       "parallel.offload_optimizer"),
+        "zero_optimization.offload_param.device": (cfg.parallel.offload_params, "parallel.offload_params"),
     }
     return owned
 
@@ -109,7 +120,8 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     schedule; returns the engine."""
     import deepspeed
 
-    optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw)
+    offloaded = cfg.parallel.offload_optimizer != "none"
+    optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded)
     scheduler = ScheduledLR(optimizer, LRSchedule.of(cfg.optimizer, cfg.schedule, total_iters))
     # The pipeline engine takes its process groups from the PipelineModule's own topology
     # (built in the same rank order as ours); otherwise DeepSpeed gets our groups as its mpu.

@@ -17,6 +17,7 @@ from megatron_lite.config import load_config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import mean_over_ranks
+from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims, shutdown_distributed
 from megatron_lite.parallel import local_shards
 from megatron_lite.training.build import build
@@ -68,7 +69,10 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
             shards = local_shards(engine.module)
     else:
         shards = local_shards(engine.module)
-    return {"losses": losses, "grad_norms": norms, "shards": shards}, dims
+    offloaded = [str(getattr(where.device, "value", where.device)) if where is not None else "none"
+                 for where in (engine.zero_offload_optimizer(), engine.zero_offload_param())]
+    return {"losses": losses, "grad_norms": norms, "shards": shards,
+            "optimizer": type(torch_optimizer(engine)).__name__, "offload": offloaded}, dims
 
 
 def main() -> None:

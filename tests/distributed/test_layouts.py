@@ -29,6 +29,11 @@ LAYOUTS = {
     "dp2-zero2": (2, ["parallel.zero_stage=2"]),
     "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "hsdp-2x2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]),
+    # ZeRO-Offload: DeepSpeed's CPU Adam updates host partitions (ZeRO-2), and under ZeRO-3 the
+    # parameters wait in host memory too.
+    "dp2-zero2-offload": (2, ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]),
+    "dp2-zero3-offload": (2, ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
+                              "parallel.offload_params=cpu"]),
     "hsdp-2x4": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=4", "training.micro_batch_size=1"]),
 }
 
@@ -67,7 +72,38 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, reference, layout):
     nproc, overrides = LAYOUTS[layout]
-    ranks = run_worker(tmp_path, nproc, overrides)
+    offload = None
+    if "offload" in layout:
+        offload = ["cpu", "cpu" if "zero3" in layout else "none"]
+    assert_matches(reference, run_worker(tmp_path, nproc, overrides), offload)
+
+
+def _async_io_missing() -> str | None:
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return ("DeepSpeed's async-I/O op (NVMe offload) cannot be built on this machine: libaio's "
+            "headers and library are missing (apt install libaio-dev)")
+
+
+def test_nvme_offload_matches_single_process(tmp_path, reference):
+    reason = _async_io_missing()
+    if reason:
+        pytest.skip(reason)
+    nvme = tmp_path / "nvme"
+    ranks = run_worker(tmp_path / "out", 2, ["parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
+                                             "parallel.offload_params=nvme", f"parallel.nvme_path={nvme}"])
+    assert_matches(reference, ranks, ["nvme", "nvme"])
+    # DeepSpeed's swappers made their folders there (the files go when the run ends).
+    swapped = {p.name for p in (nvme / "zero_stage_3").iterdir()}
+    assert "optimizer" in swapped and any(name.endswith("params") for name in swapped), swapped
+
+
+def assert_matches(reference: dict, ranks: list[dict], offload: list[str] | None = None) -> None:
+    """Every rank's losses and gradient norms, and the weights gathered from all ranks, equal
+    the single process's; ``offload``: where the run kept its optimizer state and parameters
+    (with DeepSpeed's CPU Adam)."""
     for variant, ref in reference.items():
         for rank in ranks:
             got = rank[variant]
@@ -75,6 +111,8 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
                                        rtol=1e-5, atol=0, msg=f"{variant} losses")
             torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                        rtol=1e-5, atol=0, msg=f"{variant} gradient norms")
+            if offload:  # the offload really ran, with DeepSpeed's CPU Adam
+                assert (got["optimizer"], got["offload"]) == ("DeepSpeedCPUAdam", offload)
         params = gathered([rank[variant]["shards"] for rank in ranks])
         expected = {name: t for name, (t, _) in ref["shards"].items()}
         assert params.keys() == expected.keys(), variant

@@ -90,6 +90,13 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
     (["parallel.pipeline=8"], "need at least as many layers"),
     (["parallel.hsdp=true", "parallel.zero_stage=1"], "set parallel.zero_stage=3"),
     (["parallel.hsdp_shard_size=0"], "must be at least 1"),
+    (["parallel.hsdp=true", "parallel.ulysses=2"], "'parallel.hsdp' = true with 'parallel.ulysses' = 2"),
+    (["parallel.offload_optimizer=cpu"], "needs 'parallel.zero_stage' 1, 2 or 3"),
+    (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "offload_params' = cpu needs ZeRO-3"),
+    (["parallel.offload_optimizer=nvme", "parallel.zero_stage=3"], "needs 'parallel.nvme_path'"),
+    (["parallel.offload_optimizer=nvme", "parallel.zero_stage=1", "parallel.nvme_path=/x"],
+     "NVMe offload needs ZeRO-3"),
+    (["parallel.offload_optimizer=cpu", "parallel.hsdp=true"], "averages the gradient shards on the device"),
 ])
 def test_impossible_layouts_fail_at_load_naming_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as err:

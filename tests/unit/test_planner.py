@@ -69,6 +69,30 @@ def test_hsdp_shards_model_states_over_the_shard_group_only():
                                                           12 * LLAMA2_7B / 4)
 
 
+def test_offload_moves_model_states_to_the_host_by_hand():
+    from megatron_lite.planner import plan_report
+
+    base = ["parallel.zero_stage=3", "training.global_batch_size=8"]
+    cfg, model = _cfg("llama2-7b.yaml", *base, "parallel.offload_optimizer=cpu")
+    plan = estimate(cfg, model, 8, 4)  # 2 nodes of 4
+    # On the device: the bf16 weights' ZeRO-3 shard only. On the host: fp32 master (4), Adam
+    # moments (8) and the fp32 gradient (4) of the shard.
+    assert (plan.weights, plan.grads, plan.optimizer) == (2 * LLAMA2_7B / 8, 0, 0)
+    assert plan.host == 16 * LLAMA2_7B / 8 and plan.nvme == 0
+    cfg, _ = _cfg("llama2-7b.yaml", *base, "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu")
+    both = estimate(cfg, model, 8, 4)
+    assert both.weights == 0 and both.host == 18 * LLAMA2_7B / 8
+    cfg, _ = _cfg("llama2-7b.yaml", *base, "parallel.offload_optimizer=nvme", "parallel.nvme_path=/local")
+    nvme = estimate(cfg, model, 8, 4)
+    assert nvme.host == 0 and nvme.nvme == 16 * LLAMA2_7B / 8
+    # One node of 4 holds 16 bytes per parameter: 107.8 GB of host memory.
+    cfg, _ = _cfg("llama2-7b.yaml", *base, "parallel.offload_optimizer=cpu")
+    lines, ok = plan_report(cfg, 4, 4, "A100-40GB", 0.4)  # a Polaris node: 512 GB
+    assert ok and "107.81 per node of 512" in "\n".join(lines)
+    lines, ok = plan_report(cfg, 4, 4, "A100-40GB", 0.4, host_memory_gb=100)
+    assert not ok and "does NOT fit the host: 107.8 GB" in "\n".join(lines)
+
+
 def test_tensor_and_pipeline_split_by_hand():
     cfg, model = _cfg("quickstart.yaml", "model.n_layers=4", "model.d_model=64", "model.n_heads=4",
                       "model.n_kv_heads=4", "model.ffn_hidden=128", "model.vocab_size=256",
