@@ -95,8 +95,9 @@ def wait_for_build(log: Callable[[str], None], stale_after: float = STALE_AFTER_
 
 
 def build() -> None:
-    """Build the op now (as a run would, into the same directory), and DeepSpeed's CPU Adam,
-    which ZeRO-Offload (``parallel.offload_optimizer``) compiles on first use otherwise."""
+    """Build the op now (as a run would, into the same directory), DeepSpeed's CPU Adam and,
+    where libaio exists, its NVMe ops, which ZeRO-Offload (``parallel.offload_optimizer``,
+    ``offload_params``) compiles on first use otherwise."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_environment_extensions_dir()
     wait_for_build(print)
@@ -109,8 +110,11 @@ def build() -> None:
     from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
 
     if AsyncIOBuilder().is_compatible(verbose=False):
+        from deepspeed.ops.op_builder.cpu import PinMemoryBuilder
+
         AsyncIOBuilder().load()
-        print("DeepSpeed's async-I/O op (NVMe offload) is built")
+        PinMemoryBuilder().load()  # NVMe offload's staging buffers on this accelerator
+        print("DeepSpeed's async-I/O and pinned-memory ops (NVMe offload) are built")
     else:
         print("DeepSpeed's async-I/O op (NVMe offload) is not built: libaio's headers and library "
               "are missing (apt install libaio-dev)")
