@@ -102,30 +102,36 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("crash", ["after_rank_file:1", "before_latest"])
-def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, crash):
+def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A rank really dies (SIGKILL) inside the second save: after its shard is written but before
     the commit, or after the commit but before ``latest`` moved. ``latest`` still names the first
-    checkpoint and the run resumes from it to the same losses as an uninterrupted run."""
+    checkpoint and the run resumes from it to the same losses as an uninterrupted run. (One
+    uninterrupted run and one first save serve both crash points.)"""
+    import shutil
+
     args = _args(tmp_path, "training.iters=6", "parallel.zero_stage=1")
     check(run_pretrain([*args, f"logging.dir={tmp_path}/full"], nproc=2))
-    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a"]
-    env = {**cpu_env(), "FAULT_KILL_AT": crash}
-    # The kill fires at every save; the first save must succeed, so arm it from the second.
-    first = subprocess.run([c for c in cmd if c != "training.iters=6"] + ["training.iters=2"], cwd=REPO,
-                           env=cpu_env(), capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    crashed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert crashed.returncode != 0
-    assert (tmp_path / "ck/latest").read_text().strip() == "step_00000002"
-    proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b"], nproc=2))
-    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
-    assert not list((tmp_path / "ck").glob(".tmp-*"))
-    want, got = _records(tmp_path / "full", 3), _records(tmp_path / "b", 1)
-    assert [r["step"] for r in got] == [3, 4, 5, 6]
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    want = _records(tmp_path / "full", 3)
+    first = [c for c in args if c != "training.iters=6"] + ["training.iters=2"]
+    check(run_pretrain([*first, f"checkpoint.dir={tmp_path}/ck-first", "checkpoint.save_interval=2",
+                        f"logging.dir={tmp_path}/first"], nproc=2))
+    for n, crash in enumerate(["after_rank_file:1", "before_latest"]):
+        ck_dir = tmp_path / f"ck{n}"
+        shutil.copytree(tmp_path / "ck-first", ck_dir)
+        ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}"]
+        # The kill fires at every save: this run's first save (step 4) is the second one.
+        crashed = subprocess.run(cmd, cwd=REPO, env={**cpu_env(), "FAULT_KILL_AT": crash},
+                                 capture_output=True, text=True, timeout=300)
+        assert crashed.returncode != 0, crash
+        assert (ck_dir / "latest").read_text().strip() == "step_00000002", crash
+        proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b{n}"], nproc=2))
+        assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+        assert not list(ck_dir.glob(".tmp-*")), crash
+        got = _records(tmp_path / f"b{n}", 1)
+        assert [r["step"] for r in got] == [3, 4, 5, 6], crash
+        assert [r["loss"] for r in got] == [r["loss"] for r in want], crash
 
 
 def test_a_stop_while_a_background_save_is_in_flight_waits_for_the_save(tmp_path):
