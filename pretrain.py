@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a GPT- or Llama-style model from a recipe.
 
-usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | --dry-run | --plan]
+usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | --dry-run | --plan [--suggest]]
 
   RECIPE.yaml         a recipe from recipes/ (or your own; 'base: other.yaml' extends another)
   dotted.key=value    overrides, applied after the recipe (e.g. training.iters=100 optimizer.lr=1e-3)
@@ -13,6 +13,8 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
                       (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3;
                       default A100-40GB), --mfu X (default 0.4), --host-memory-gb GB (a node's
                       host memory, for offload; default: a typical node for the device)
+  --plan --suggest    list the layouts of the recipe's model that fit that machine, fastest first
+                      by predicted step time (exit 1 when none fits)
 
 Multi-process: torchrun --nproc-per-node N pretrain.py RECIPE ... (or launch/polaris.sh, gaudi.sh).
 Exit status: 0 when the run finished as asked; otherwise non-zero with a one-line reason.
@@ -33,7 +35,7 @@ def main(argv: list[str]) -> int:
         return 2
     flags = {a for a in argv if a.startswith("--")}
     args = [a for a in argv if not a.startswith("--")]
-    unknown = flags - {"--help", "-h", "--print-config", "--dry-run", "--plan"}
+    unknown = flags - {"--help", "-h", "--print-config", "--dry-run", "--plan", "--suggest"}
     if "--help" in flags or "-h" in argv or not args:
         print(__doc__.strip())
         return 0 if ("--help" in flags or "-h" in argv) else 2
@@ -74,7 +76,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     if "--plan" in flags:
-        return _plan(cfg, values)
+        return _plan(cfg, values, suggest="--suggest" in flags)
 
     import torch.distributed as dist
 
@@ -139,9 +141,9 @@ def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
     return rest, values
 
 
-def _plan(cfg, values: dict) -> int:
+def _plan(cfg, values: dict, suggest: bool = False) -> int:
     from megatron_lite.distributed import TopologyError
-    from megatron_lite.planner import plan_report
+    from megatron_lite.planner import plan_report, suggest_report
 
     per_node = values.get("--gpus-per-node", 4)
     world = values.get("--world-size")
@@ -152,9 +154,12 @@ def _plan(cfg, values: dict) -> int:
         if per_node % replica or (cfg.training.global_batch_size or 0) % (
                 cfg.training.micro_batch_size * (per_node // replica) or 1):
             world = replica
+    device, mfu = values.get("--device", "A100-40GB"), values.get("--mfu", 0.4)
     try:
-        lines, fits = plan_report(cfg, world, per_node, values.get("--device", "A100-40GB"),
-                                  values.get("--mfu", 0.4), values.get("--host-memory-gb"))
+        if suggest:
+            lines, fits = suggest_report(cfg, values.get("--world-size", per_node), per_node, device, mfu)
+        else:
+            lines, fits = plan_report(cfg, world, per_node, device, mfu, values.get("--host-memory-gb"))
     except (TopologyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

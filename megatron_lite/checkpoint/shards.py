@@ -1,8 +1,8 @@
 """What each rank writes and reads: its own slice of the weights and of the optimizer state.
 
-Every parameter is addressed layout-free, by its ``ShardSpec``: its name in the plain model, the
-tensor-parallel slice it belongs to (dim, rank, size) and the range of elements of
-that slice, flattened, that this rank owns (its ZeRO partition; the whole slice without ZeRO).
+Every parameter is addressed layout-free, by its ``ShardSpec``: its name in the plain model, its
+cuts (the tensor-parallel slice and the tile it is, ``ShardSpec.cuts``) and the range of elements
+of that piece, flattened, that this rank owns (its ZeRO partition; the whole piece without ZeRO).
 A rank saves one *fragment* per parameter it owns: the fp32 weights and the Adam moments of that
 range. Replicated state is saved once: a tensor-parallel-replicated parameter only by tensor
 rank 0, an unsharded optimizer only by the first data-parallel replica, an HSDP shard group's
@@ -25,7 +25,7 @@ from torch import nn
 from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.distributed.shard_spec import ShardSpec, spec
+from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 
@@ -36,21 +36,25 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 class Fragment:
     name: str
     slice_shape: tuple[int, ...]
-    """Shape of the tensor-parallel slice (the full shape when the parameter is not sliced)."""
-    shard: tuple[int, int, int] | None
+    """Shape of the piece (the full shape when the parameter is neither sliced nor tiled)."""
+    cuts: tuple[Cut, ...]
+    """Where the piece sits in the plain tensor (``ShardSpec.cuts``); () for the whole."""
     start: int
-    """First element of the flattened slice held here."""
+    """First element of the flattened piece held here."""
     tensors: dict[str, torch.Tensor]
     """``param`` (fp32 weights) and the optimizer moments, each 1-D of the fragment's length."""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "slice_shape": list(self.slice_shape), "shard": self.shard,
-                "start": self.start, "tensors": self.tensors}
+        return {"name": self.name, "slice_shape": list(self.slice_shape),
+                "cuts": [list(c) for c in self.cuts], "start": self.start, "tensors": self.tensors}
 
     @staticmethod
     def from_dict(d: dict) -> Fragment:
-        shard = tuple(d["shard"]) if d["shard"] is not None else None
-        return Fragment(d["name"], tuple(d["slice_shape"]), shard, d["start"], d["tensors"])
+        if "cuts" in d:
+            cuts = tuple(tuple(c) for c in d["cuts"])
+        else:  # written before tiling: at most one tensor-parallel slice, under "shard"
+            cuts = (tuple(d["shard"]),) if d["shard"] is not None else ()
+        return Fragment(d["name"], tuple(d["slice_shape"]), cuts, d["start"], d["tensors"])
 
 
 def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Parameter]:
@@ -111,7 +115,7 @@ def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
                 value = state.get(key)
                 tensors[key] = (value.detach().float().cpu().reshape(-1).clone() if value is not None
                                 else torch.zeros(p.numel()))
-        out.append(Fragment(spec(p).name, shape, spec(p).slice, start, tensors))
+        out.append(Fragment(spec(p).name, shape, spec(p).cuts, start, tensors))
     return out
 
 
@@ -130,15 +134,13 @@ class Assembler:
         frags = self.by_name.get(name)
         if not frags:
             raise KeyError(f"the checkpoint has no parameter '{name}'")
-        first = frags[0]
-        size = first.shard[2] if first.shard else 1
-        slices = [torch.full((math.prod(first.slice_shape),), math.nan) for _ in range(size)]
+        pieces: dict[tuple[Cut, ...], torch.Tensor] = {}
         for f in frags:
-            rank = f.shard[1] if f.shard else 0
+            flat = pieces.setdefault(f.cuts, torch.full((math.prod(f.slice_shape),), math.nan))
             t = f.tensors[key]
-            slices[rank][f.start:f.start + t.numel()] = t
-        shaped = [s.view(first.slice_shape) for s in slices]
-        full = torch.cat(shaped, dim=first.shard[0]) if first.shard else shaped[0]
+            flat[f.start:f.start + t.numel()] = t
+        shapes = {f.cuts: f.slice_shape for f in frags}
+        full = joined((cuts, flat.view(shapes[cuts])) for cuts, flat in pieces.items())
         if torch.isnan(full).any():
             raise ValueError(f"the checkpoint's fragments of '{name}' ({key}) do not cover it: "
                              "files are missing")

@@ -189,6 +189,11 @@ class ParallelConfig:
     nvme_path: Optional[str] = None
     """A directory on a fast node-local disk for ``nvme`` offload (each rank writes its own
     files there)."""
+    tile_factor: int = 1
+    """Memory-centric tiling (ZeRO-3 only): every block linear is cut into tile_factor ×
+    tile_factor tiles, each its own parameter, so ZeRO-3 gathers one tile at a time and a layer
+    larger than a device's free memory still fits; the result is the same. Costs speed: use the
+    smallest factor that fits (``--plan`` counts it)."""
 
     @property
     def deepspeed_zero_stage(self) -> int:

@@ -148,6 +148,13 @@ def _spike_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _block_linear_shapes(m, tensor: int) -> dict[str, tuple[int, int]]:
+    """(rows, columns) of each block linear's weight on one tensor-parallel rank."""
+    q, kv, ffn = m.n_heads * m.head_dim // tensor, m.kv_heads * m.head_dim // tensor, m.mlp_hidden // tensor
+    return {"q_proj": (q, m.d_model), "k_proj": (kv, m.d_model), "v_proj": (kv, m.d_model),
+            "o_proj": (m.d_model, q), "up_proj": (ffn, m.d_model), "down_proj": (m.d_model, ffn)}
+
+
 def _parallel_problems(cfg: Config) -> list[str]:
     """Layouts that cannot work whatever the world size (those that depend on it are checked by
     ``ParallelDims.plan``)."""
@@ -156,12 +163,21 @@ def _parallel_problems(cfg: Config) -> list[str]:
     if min(p.tensor, p.pipeline, p.ulysses, m.n_heads, m.n_layers) < 1:
         return out  # reported above
     kv = m.kv_heads
-    for key, size in [("parallel.tensor", p.tensor), ("parallel.ulysses", p.ulysses)]:
+    # Ulysses splits each tensor rank's heads again; the sequence is split by Ulysses, then by
+    # the tensor ranks under Megatron sequence parallelism.
+    heads = [("'parallel.tensor'", p.tensor), ("'parallel.ulysses'", p.ulysses)]
+    if p.tensor > 1 and p.ulysses > 1:
+        heads = [("'parallel.tensor' × 'parallel.ulysses'", p.tensor * p.ulysses)]
+    for key, size in heads:
         if m.n_heads % size or kv % size:
             out.append(f"'model.n_heads' = {m.n_heads} and 'model.n_kv_heads' = {kv} must both be "
-                       f"divisible by '{key}' = {size} (each rank takes whole heads)")
-        if size > 1 and d.seq_length % size and (key == "parallel.ulysses" or p.sequence_parallel):
-            out.append(f"'data.seq_length' = {d.seq_length} must be divisible by '{key}' = {size} "
+                       f"divisible by {key} = {size} (each rank takes whole heads)")
+    slices = [("'parallel.ulysses'", p.ulysses)]
+    if p.sequence_parallel:
+        slices = [("'parallel.tensor' × 'parallel.ulysses'", p.tensor * p.ulysses)]
+    for key, size in slices:
+        if size > 1 and d.seq_length % size:
+            out.append(f"'data.seq_length' = {d.seq_length} must be divisible by {key} = {size} "
                        "(each rank takes an equal slice of the sequence)")
     if m.n_layers < p.pipeline:
         out.append(f"'parallel.pipeline' = {p.pipeline} stages need at least as many layers; "
@@ -170,10 +186,6 @@ def _parallel_problems(cfg: Config) -> list[str]:
         out.append("'parallel.sequence_parallel' = true splits the sequence over the tensor-parallel "
                    "ranks and needs 'parallel.tensor' > 1 (for sequence parallelism without tensor "
                    "parallelism use 'parallel.ulysses')")
-    if p.ulysses > 1 and (p.tensor > 1 or p.pipeline > 1):
-        out.append(f"'parallel.ulysses' = {p.ulysses} cannot be combined with tensor or pipeline "
-                   f"parallelism in this version (tensor = {p.tensor}, pipeline = {p.pipeline}); "
-                   "use Megatron sequence parallelism ('parallel.sequence_parallel') with tensor > 1")
     if p.pipeline > 1 and p.zero_stage > 1:
         out.append(f"'parallel.zero_stage' = {p.zero_stage} with 'parallel.pipeline' = {p.pipeline}: "
                    "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; set "
@@ -208,6 +220,17 @@ def _parallel_problems(cfg: Config) -> list[str]:
     if p.offload_optimizer != "none" and p.hsdp:
         out.append("'parallel.offload_optimizer' with 'parallel.hsdp': not in this version (HSDP "
                    "averages the gradient shards on the device, where offload no longer keeps them)")
+    if p.tile_factor < 1:
+        out.append(f"'parallel.tile_factor' = {p.tile_factor} must be at least 1 (1: no tiling)")
+    elif p.tile_factor > 1:
+        if stage != 3:
+            out.append(f"'parallel.tile_factor' = {p.tile_factor} saves memory only under ZeRO-3, "
+                       f"which gathers one tile at a time; 'parallel.zero_stage' = {p.zero_stage}: "
+                       "set parallel.zero_stage=3 (or parallel.tile_factor=1)")
+        out += [f"'parallel.tile_factor' = {p.tile_factor} must divide both dimensions of every "
+                f"block linear, but {name} is {rows} x {cols} on each tensor rank (tiles are equal)"
+                for name, (rows, cols) in _block_linear_shapes(m, p.tensor).items()
+                if rows % p.tile_factor or cols % p.tile_factor]
     if p.hsdp_shard_size is not None and p.hsdp_shard_size < 1:
         out.append(f"'parallel.hsdp_shard_size' = {p.hsdp_shard_size} must be at least 1 (or null: "
                    "the ranks of one node)")

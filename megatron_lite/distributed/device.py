@@ -31,18 +31,29 @@ class DeviceSpec:
     host_memory_gb: float = 512
     """Host memory of a typical node carrying this device, GB (where ZeRO-Offload puts its
     state; the planner's ``--host-memory-gb`` overrides it)."""
+    intra_node_gbs: float = 200
+    """Bandwidth a collective reaches between devices of one node, GB/s per device (NVLink;
+    Gaudi's on-chip RoCE ports): the planner's ``--suggest`` prices communication with it."""
+    inter_node_gbs: float = 12.5
+    """A device's share of its node's network, GB/s."""
+    host_gbs: float = 25
+    """Device to host memory (PCIe), GB/s: what offload pays."""
 
 
 # Vendor data sheets (SXM/OAM parts). CPUs have no entry and report no MFU. The name is matched
 # against the device's reported name: every dash-separated part of the key must appear in it
 # (so "NVIDIA A100-SXM4-80GB" is an A100-80GB), else the first part alone.
+# Bandwidths are nominal link rates derated to what collectives typically reach; they rank
+# layouts, they do not promise seconds. Polaris: NVLink within a node, 2 x 200 Gb/s Slingshot
+# NICs shared by 4 GPUs; DGX H100: NVLink 4, one 400 Gb/s NIC per GPU; Gaudi 2/3: 21 of 24
+# RoCE ports (100 / 200 Gb/s) within the node, 3 out.
 DEVICES = {
-    "A100-40GB": DeviceSpec(312e12, 156e12, 40, 512),  # a Polaris node
-    "A100-80GB": DeviceSpec(312e12, 156e12, 80, 1000),  # DGX A100 (1 TB)
-    "H100": DeviceSpec(989e12, 494e12, 80, 2000),  # DGX H100 (2 TB)
-    "H200": DeviceSpec(989e12, 494e12, 141, 2000),
-    "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96, 1000),  # HLS-Gaudi2 (1 TB)
-    "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128, 1000),
+    "A100-40GB": DeviceSpec(312e12, 156e12, 40, 512, 200, 12.5, 25),  # a Polaris node
+    "A100-80GB": DeviceSpec(312e12, 156e12, 80, 1000, 200, 25, 25),  # DGX A100 (1 TB)
+    "H100": DeviceSpec(989e12, 494e12, 80, 2000, 350, 50, 50),  # DGX H100 (2 TB)
+    "H200": DeviceSpec(989e12, 494e12, 141, 2000, 350, 50, 50),
+    "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96, 1000, 250, 37.5, 25),  # HLS-Gaudi2 (1 TB)
+    "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128, 1000, 500, 75, 50),
 }
 
 

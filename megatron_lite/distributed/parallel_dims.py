@@ -87,7 +87,11 @@ class ParallelDims:
 
     @property
     def deepspeed_data(self) -> int:
-        """The data-parallel size DeepSpeed sees: one shard group under HSDP."""
+        """The data-parallel size DeepSpeed sees: one shard group under HSDP; under pipeline
+        parallelism the Ulysses ranks too (the pipeline engine's topology has no sequence axis:
+        ``parallel/pipeline.py``)."""
+        if self.pipeline > 1:
+            return self.data * self.ulysses
         return self.hsdp_shard_size or self.data
 
     @property

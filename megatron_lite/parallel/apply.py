@@ -89,11 +89,13 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
                 if bias is not None:
                     comm.sum_gradient_over(bias, group)
     if dims.ulysses > 1:
-        problems = ulysses_head_problems(block.attn.n_heads, block.attn.n_kv_heads, dims.ulysses,
-                                         dims.tensor)
+        # With tensor parallelism this rank's heads are its tensor slice's: the all-to-all
+        # splits those over the Ulysses ranks.
+        attn = block.attn.inner if isinstance(block.attn, TensorParallelRegion) else block.attn
+        problems = ulysses_head_problems(attn.n_heads, attn.n_kv_heads, dims.ulysses, dims.tensor)
         if problems:
             raise ValueError("; ".join(problems))
-        block.attn.core = UlyssesAttention(block.attn.core, dims.group("ulysses"))
+        attn.core = UlyssesAttention(attn.core, dims.group("ulysses"))
 
 
 def parallelize_embedding(owner: nn.Module, dims: ParallelDims) -> None:
@@ -215,6 +217,6 @@ def use_device_kernels(module: nn.Module, kernels: DeviceKernels) -> list[str]:
     return sorted(set(used))
 
 
-def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:
-    """This rank's parameters by plain-model name, each with its slice (``ShardSpec.slice``)."""
-    return {spec(p).name: (p.detach().cpu().clone(), spec(p).slice) for p in module.parameters()}
+def local_shards(module: nn.Module) -> list[tuple[str, tuple, torch.Tensor]]:
+    """This rank's parameters as (plain-model name, cuts (``ShardSpec.cuts``), value)."""
+    return [(spec(p).name, spec(p).cuts, p.detach().cpu().clone()) for p in module.parameters()]

@@ -2,10 +2,10 @@
 
 The order of a build: the plain ``Transformer`` on the meta device (no memory), every parameter
 tagged with its ``ShardSpec`` (its name and shape in the plain model); ``parallelize`` (tensor,
-Megatron-sequence and Ulysses parallelism); under pipeline parallelism ``keep_stage`` (this
-stage's parts only); then ``materialize`` (this rank's slices on the device, each from the plain
-model's initial value of its name). Every layout starts from exactly the single-process weights,
-and no rank ever holds the whole model.
+Megatron-sequence and Ulysses parallelism); ``tile_linears`` (memory-centric tiling); under
+pipeline parallelism ``keep_stage`` (this stage's parts only); then ``materialize`` (this rank's
+slices on the device, each from the plain model's initial value of its name). Every layout
+starts from exactly the single-process weights, and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -20,16 +20,19 @@ from megatron_lite.model.flops import parameter_counts
 from megatron_lite.model.transformer import Transformer
 from megatron_lite.parallel.apply import materialize, parallelize
 from megatron_lite.parallel.pipeline import keep_stage, pipeline_module, stage_layers
+from megatron_lite.parallel.tiling import tile_linears
 
 
 def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
-                         partition: str = "parameters") -> nn.Module:
+                         partition: str = "parameters", tile_factor: int = 1) -> nn.Module:
     """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
-    ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``)."""
+    ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``);
+    ``tile_factor``: each block linear cut into that many × that many tiles."""
     with torch.device("meta"):
         model = Transformer(cfg)
     tag(model)
     parallelize(model, dims)
+    tile_linears(model, tile_factor)
     if dims.pipeline == 1:
         return materialize(model, cfg, device, seed)
     first, end, _ = stage_layers(parameter_counts(cfg), dims.pipeline, partition)[dims.pp_rank]

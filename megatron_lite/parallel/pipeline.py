@@ -85,12 +85,19 @@ def _stage_pipeline_class() -> type:
 
         def __init__(self, stage: Transformer, dims: ParallelDims, tied: bool):
             layers = [stage if s == dims.pp_rank else LayerSpec(nn.Identity) for s in range(dims.pipeline)]
+            # DeepSpeed's pipeline topology has no sequence axis. Its data axis spans the Ulysses
+            # ranks too: with the data axis outside the sequence axis in our rank order, its
+            # "data" groups are our sequence_data groups (a Ulysses rank's gradient is its
+            # slice's share, to be summed over the sequence ranks and averaged over the data
+            # ranks).
             topology = PipeModelDataParallelTopology(num_pp=dims.pipeline, num_mp=dims.tensor,
-                                                     num_dp=dims.data)
+                                                     num_dp=dims.data * dims.ulysses)
             super().__init__(layers=layers, topology=topology, partition_method="uniform")
-            # The factor a training loss is multiplied by before DeepSpeed's backward
-            # (build_engine sets 1/accumulation steps where the engine does not average them).
-            self.train_scale = 1.0
+            # The factor a training loss is multiplied by before DeepSpeed's backward. The
+            # engine averages gradients over its data axis, Ulysses ranks included, where they
+            # must be summed: times ``ulysses`` (and build_engine divides by the accumulation
+            # steps where the engine does not average them).
+            self.train_scale = float(dims.ulysses)
             # The last stage's output layer is the loss function; a module attribute, so its
             # weights are this pipeline's parameters.
             self.head, stage.lm_head = stage.lm_head, None

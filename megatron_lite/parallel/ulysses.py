@@ -44,6 +44,11 @@ class SequenceMeanLoss(nn.Module):
         super().__init__()
         self.head, self.group, self.size = head, group, size
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The output layer's weight (a pipeline's last stage ties it to the embedding)."""
+        return self.head.weight
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         out = self.head(x, targets)
         if targets is None:

@@ -15,6 +15,11 @@ Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
   device keeps no optimizer state and, with ZeRO-2/3, no gradient partition (ZeRO-1 still holds
   whole gradients). ``parallel.offload_params`` (ZeRO-3)
   moves the sharded weights the same way. Host memory is per node (ranks per node × per rank).
+- **Gathered under ZeRO-3**: ZeRO-3 materializes each parameter whole just before its layer runs,
+  with its whole gradient after, then frees both; the largest one sets the peak (``gathered``:
+  weight and gradient bytes of the largest parameter). That is a block linear's weight (its
+  tensor-parallel slice; with ``parallel.tile_factor`` one tile of factor² ones) or a
+  vocabulary layer's (never tiled). A layer larger than the device shows here first.
 - **Activations** per transformer block and micro-batch of ``b`` sequences of ``s`` tokens
   (Korthikanti et al. 2022, for an attention kernel that stores no score matrix, as SDPA's
   flash/memory-efficient kernels do): elements kept for backward are the two norms' inputs and
@@ -29,7 +34,7 @@ Memory per device, in GB (10^9 bytes), of the largest pipeline stage:
   (``model.loss.chunk_rows``) with its softmax gradient, the hidden states' gradient and the
   weight gradient's fp32 sum; with it, each rank's (tokens × vocab/tensor) logits in fp32 twice.
 
-Not counted: framework buffers (ZeRO-3 prefetch, communication buckets, the allocator's
+Not counted: framework buffers (ZeRO-3 prefetch of the next parameters, communication buckets, the allocator's
 fragmentation, the CUDA context) — keep 10-20% free. FLOPs per token: ``model.flops``.
 """
 
@@ -70,6 +75,8 @@ class Plan:
     """Activations with the other ``activation_checkpointing`` setting."""
     output_layer: float
     """The final norm's activations and the loss's working memory (``output_layer_bytes``)."""
+    gathered: float
+    """ZeRO-3: the largest parameter gathered whole, with its gradient (``largest_gathered``)."""
     flops_per_token: float
     tokens_per_step: int
     grad_accumulation: int
@@ -77,7 +84,16 @@ class Plan:
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations
-                + self.output_layer)
+                + self.output_layer + self.gathered)
+
+
+def largest_gathered(m: ModelConfig, tensor: int, tile_factor: int) -> int:
+    """Elements of the largest parameter ZeRO-3 gathers whole on one rank: a block linear's
+    weight (its tensor-parallel slice, one of tile_factor² tiles) or a vocabulary layer's."""
+    widest = max(m.n_heads * m.head_dim, m.mlp_hidden)  # q/o or the MLP's, against d_model
+    block = widest * m.d_model // tensor // tile_factor**2
+    assert m.vocab_size is not None
+    return max(block, m.vocab_size * m.d_model // tensor)
 
 
 def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: bool) -> float:
@@ -165,6 +181,9 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
     if cfg.parallel.offload_params != "none":
         offloaded[cfg.parallel.offload_params] += weights
         weights = 0.0
+    gathered = 0.0
+    if stage == 3:
+        gathered = (w_bytes + g_bytes) * largest_gathered(model, dims.tensor, cfg.parallel.tile_factor)
 
     accum = dims.grad_accumulation(cfg)
     in_flight = min(dims.pipeline, accum) if dims.pipeline > 1 else 1
@@ -177,7 +196,7 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
 
     return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer,
                 offloaded["cpu"], offloaded["nvme"],
-                acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims),
+                acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims), gathered,
                 flops_per_token(model, cfg.data.seq_length),
                 dims.global_batch(cfg) * cfg.data.seq_length, accum)
 

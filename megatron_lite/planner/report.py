@@ -56,12 +56,16 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         "memory per device (GB = 10^9 bytes)",
     ]
     other = "off" if recompute else "on"
+    tiles = f" (tiles of 1/{cfg.parallel.tile_factor ** 2})" if cfg.parallel.tile_factor > 1 else ""
     rows = [("weights", plan.weights, ""), ("gradients", plan.grads, ""),
             ("optimizer (master + Adam)", plan.optimizer, "")]
     rows += [(f"activations (recompute {'on' if recompute else 'off'})", plan.activations,
               f"{plan.in_flight} micro-batch(es) in flight; recompute {other}: "
               f"{plan.activations_other / GB:.2f}"),
              ("output layer and loss", plan.output_layer, "one micro-batch, at the loss"),
+             *([("gathered by ZeRO-3", plan.gathered,
+                 "the largest parameter whole, with its gradient" + tiles)]
+               if plan.gathered else []),
              ("total", plan.total, f"of {spec.memory_gb:g}")]
     lines += [f"  {label:<30} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
     host_gb = host_memory_gb or spec.host_memory_gb
@@ -92,10 +96,44 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
     if not ok:
         warnings.append(f"does NOT fit: {plan.total / GB:.1f} GB needed per device, {spec.memory_gb:g} GB "
                         "available; raise parallel.zero_stage / tensor / pipeline, turn on "
-                        "model.activation_checkpointing, or lower training.micro_batch_size")
+                        "model.activation_checkpointing, lower training.micro_batch_size, offload "
+                        "(parallel.offload_optimizer / offload_params) or, for one layer larger "
+                        "than the device, tile it (parallel.tile_factor)")
     elif plan.total > 0.85 * spec.memory_gb * GB:
         warnings.append(f"tight: {plan.total / GB:.1f} of {spec.memory_gb:g} GB; framework buffers and "
                         "fragmentation usually need 10-20% more")
     if warnings:
         lines += [""] + [f"warning: {w}" for w in warnings]
     return lines, ok and host_ok
+
+
+def suggest_report(cfg: Config, world_size: int, gpus_per_node: int, device: str, mfu: float,
+                   top: int = 10) -> tuple[list[str], bool]:
+    """``--plan --suggest``: the fastest layouts that fit (``planner/suggest.py``), as lines."""
+    from megatron_lite.planner.suggest import HEADROOM, suggest
+
+    spec = device_spec(device)
+    if spec is None:
+        raise ValueError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
+    vocab, note = _vocab(cfg)
+    found = suggest(cfg, vocab, world_size, gpus_per_node, spec, mfu)
+    nodes = -(-world_size // gpus_per_node)
+    lines = [f"layouts for {world_size} × {device} ({nodes} node(s) × {gpus_per_node}) that fit in "
+             f"{100 * HEADROOM:.0f}% of {spec.memory_gb:g} GB, fastest first (predicted at {100 * mfu:.0f}% "
+             "MFU plus communication at the device table's bandwidths: a ranking, not a promise)"]
+    if note:
+        lines.append(f"note: {note}")
+    if not found:
+        lines.append("none fits: more devices, a device with more memory, a shorter "
+                     "data.seq_length or a smaller training.micro_batch_size")
+        return lines, False
+    fastest = found[0].seconds
+    lines.append(f"  {'#':>2} {'s/step':>8} {'vs best':>7} {'GB':>6}  layout; largest costs")
+    for i, s in enumerate(found[:top], 1):
+        keys = " ".join(o for o in s.overrides if not o.endswith(("=1", "=false")) or "zero_stage" in o)
+        costs = ", ".join(f"{k} {v:.3g}" for k, v in sorted(s.parts.items(), key=lambda kv: -kv[1])[:3])
+        lines.append(f"  {i:>2} {s.seconds:8.3g} {s.seconds / fastest:7.2f} {s.plan.total / GB:6.1f}  "
+                     f"{keys}; {costs}")
+    lines.append(f"({len(found)} layouts fit; run the first with: pretrain.py RECIPE "
+                 f"{' '.join(found[0].overrides)})")
+    return lines, True

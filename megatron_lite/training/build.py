@@ -54,7 +54,7 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
-                                 cfg.parallel.pipeline_partition)
+                                 cfg.parallel.pipeline_partition, cfg.parallel.tile_factor)
     device_type = acc.device_name()
     notes = []
     kernels = devmod.device_kernels(acc)

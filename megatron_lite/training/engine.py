@@ -52,6 +52,11 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+    if dims.pipeline > 1 and dims.sequence_parallel:
+        # The pipeline engine sends 1/tensor of a stage's output from each tensor rank and
+        # gathers it on the next stage, which assumes the tensor ranks hold the same output;
+        # under Megatron sequence parallelism each holds its own slice of the sequence.
+        generated["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     zero = generated["zero_optimization"]
     for key, where in (("offload_optimizer", cfg.parallel.offload_optimizer),
                        ("offload_param", cfg.parallel.offload_params)):
@@ -132,7 +137,7 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     if dims.pipeline > 1 and deepspeed_version() < GAS_SCALING_ALWAYS:
         # This pipeline engine sums the accumulation steps' gradients (see GAS_SCALING_ALWAYS):
         # average them through the loss; StepRunner reports the loss unscaled.
-        model.train_scale = 1.0 / dims.grad_accumulation(cfg)
+        model.train_scale /= dims.grad_accumulation(cfg)
     if dims.pipeline > 1 and cfg.parallel.deepspeed_zero_stage == 0:
         deepspeed_internals.keep_clipped_norm(engine)
     if (dims.pipeline == 1 and cfg.parallel.deepspeed_zero_stage == 0 and dims.data == 1 and dims.ulysses == 1

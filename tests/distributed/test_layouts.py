@@ -12,15 +12,14 @@ import sys
 import pytest
 import torch
 
+from megatron_lite.distributed.shard_spec import joined
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from tests.conftest import REPO, _free_port, cpu_env
 
 WORKER = REPO / "tests/distributed/layout_worker.py"
 
 LAYOUTS = {
-    "tp2": (2, ["parallel.tensor=2"]),
     "tp2-megatron-sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
-    "ulysses2": (2, ["parallel.ulysses=2"]),
     "pp2": (2, ["parallel.pipeline=2"]),
     "pp2-zero1": (2, ["parallel.pipeline=2", "parallel.zero_stage=1",
                       "parallel.pipeline_partition=type:Block"]),
@@ -34,6 +33,15 @@ LAYOUTS = {
     "dp2-zero2-offload": (2, ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]),
     "dp2-zero3-offload": (2, ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
                               "parallel.offload_params=cpu"]),
+    # Memory-centric tiling: each block linear 2 x 2 tiles (column- and row-parallel ones too),
+    # each gathered on its own by ZeRO-3.
+    "tp2xdp2-zero3-tile2": (4, ["parallel.tensor=2", "parallel.zero_stage=3", "parallel.tile_factor=2"]),
+    # 4D: Ulysses within each tensor rank's heads, and across pipeline stages; on 8 ranks all
+    # four kinds of model parallelism at once (Megatron sequence parallelism included).
+    "tp2xulysses2": (4, ["parallel.tensor=2", "parallel.ulysses=2"]),
+    "pp2xulysses2": (4, ["parallel.pipeline=2", "parallel.ulysses=2", "parallel.zero_stage=1"]),
+    "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                 "parallel.pipeline=2", "parallel.ulysses=2"]),
     "hsdp-2x4": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=4", "training.micro_batch_size=1"]),
 }
 
@@ -49,19 +57,17 @@ def run_worker(out, nproc: int, overrides: list[str]) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
-def gathered(parts: list[dict]) -> dict[str, torch.Tensor]:
-    """Full parameters from every rank's slices; replicas of one slice must agree."""
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    dims: dict[str, int] = {}
+def gathered(parts: list[list]) -> dict[str, torch.Tensor]:
+    """Full parameters from every rank's pieces (``local_shards``); replicas of one piece must
+    agree."""
+    pieces: dict[str, dict[tuple, torch.Tensor]] = {}
     for part in parts:
-        for name, (tensor, shard) in part.items():
-            dim, rank, _ = shard if shard is not None else (0, 0, 1)
-            seen = slices.setdefault(name, {})
-            if rank in seen:
-                torch.testing.assert_close(tensor, seen[rank], rtol=0, atol=1e-6, msg=f"replicas of {name}")
-            seen[rank] = tensor
-            dims[name] = dim
-    return {name: torch.cat([s[r] for r in sorted(s)], dim=dims[name]) for name, s in slices.items()}
+        for name, cuts, tensor in part:
+            seen = pieces.setdefault(name, {})
+            if cuts in seen:
+                torch.testing.assert_close(tensor, seen[cuts], rtol=0, atol=1e-6, msg=f"replicas of {name}")
+            seen[cuts] = tensor
+    return {name: joined(seen.items()) for name, seen in pieces.items()}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,11 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
     offload = None
     if "offload" in layout:
         offload = ["cpu", "cpu" if "zero3" in layout else "none"]
-    assert_matches(reference, run_worker(tmp_path, nproc, overrides), offload)
+    ranks = run_worker(tmp_path, nproc, overrides)
+    assert_matches(reference, ranks, offload)
+    if "tile" in layout:  # the weights really were tiles: a tensor-parallel cut, then two more
+        cuts = {name: cuts for name, cuts, _ in next(iter(ranks[0].values()))["shards"]}
+        assert len(cuts["blocks.0.mlp.down_proj.weight"]) == 3, cuts
 
 
 def _async_io_missing() -> str | None:
@@ -114,7 +124,7 @@ def assert_matches(reference: dict, ranks: list[dict], offload: list[str] | None
             if offload:  # the offload really ran, with DeepSpeed's CPU Adam
                 assert (got["optimizer"], got["offload"]) == ("DeepSpeedCPUAdam", offload)
         params = gathered([rank[variant]["shards"] for rank in ranks])
-        expected = {name: t for name, (t, _) in ref["shards"].items()}
+        expected = {name: t for name, _, t in ref["shards"]}
         assert params.keys() == expected.keys(), variant
         for name, value in expected.items():
             got = params[name]

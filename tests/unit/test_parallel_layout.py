@@ -29,6 +29,21 @@ def test_groups_follow_megatron_and_deepspeed_rank_order():
     assert dims.group_ranks(("tensor",))[0] == [0, 1]
 
 
+def test_pipeline_topology_counts_ulysses_ranks_as_data_ranks():
+    """4D: DeepSpeed's pipeline topology has no sequence axis; given data × ulysses as its data
+    axis, its groups are ours (its data groups our sequence_data groups) and the batch it
+    expects counts the Ulysses ranks."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dims = _dims(16, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.ulysses=2"])
+    d = dims[0]
+    assert (d.tensor, d.pipeline, d.ulysses, d.data) == (2, 2, 2, 2)
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=4)
+    for ours, theirs in [(("tensor",), "model"), (("ulysses", "data"), "data"), (("pipeline",), "pipe")]:
+        assert sorted(d.group_ranks(ours)) == sorted(topo.get_axis_comm_lists(theirs))
+    assert d.deepspeed_data == 4 and _dims(4, ["parallel.ulysses=2"])[0].deepspeed_data == 2
+
+
 def test_coordinates_and_ulysses_groups():
     dims = _dims(8, ["parallel.ulysses=2"])
     assert [d.sp_rank for d in dims] == [0, 1] * 4
@@ -85,7 +100,10 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
     (["parallel.pipeline=2", "parallel.zero_stage=2"], "set parallel.zero_stage=1"),
     (["parallel.pipeline=2", "parallel.zero_stage=3"], "ZeRO stages 0 and 1 only"),
     (["parallel.sequence_parallel=true"], "needs 'parallel.tensor' > 1"),
-    (["parallel.ulysses=2", "parallel.tensor=2"], "cannot be combined"),
+    (["parallel.ulysses=2", "parallel.tensor=4"],
+     "divisible by 'parallel.tensor' × 'parallel.ulysses' = 8 (each rank takes whole heads)"),
+    (["parallel.ulysses=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "data.seq_length=62"],
+     "'data.seq_length' = 62 must be divisible by 'parallel.tensor' × 'parallel.ulysses' = 4"),
     (["parallel.ulysses=3"], "'data.seq_length' = 64 must be divisible by 'parallel.ulysses' = 3"),
     (["parallel.pipeline=8"], "need at least as many layers"),
     (["parallel.hsdp=true", "parallel.zero_stage=1"], "set parallel.zero_stage=3"),

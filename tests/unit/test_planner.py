@@ -151,9 +151,13 @@ def _plan(*args):
                           env=cpu_env(), capture_output=True, text=True, timeout=120)
 
 
+# The allocation a recipe's header names, where one node (4 x A100-40GB) is not enough.
+ALLOCATION = {"llama3-8b.yaml": ["--world-size", "8"]}
+
+
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
 def test_plan_runs_on_every_recipe(recipe):
-    out = _plan(f"recipes/{recipe}")
+    out = _plan(f"recipes/{recipe}", *ALLOCATION.get(recipe, []))
     assert out.returncode == 0, out.stderr + out.stdout
     assert "memory per device" in out.stdout and "GFLOPs per token" in out.stdout
 
@@ -237,3 +241,78 @@ def test_loss_memory_is_what_the_loss_allocates():
     }
     for case, want in planned.items():
         assert 0.9 * want <= measured[case] <= 1.1 * want, (case, measured[case], want)
+
+
+def test_tiling_shrinks_what_zero3_gathers_by_hand():
+    from megatron_lite.planner import plan_report
+
+    base = ["parallel.zero_stage=3", "training.global_batch_size=64", "model.ffn_hidden=131072"]
+    cfg, model = _cfg("llama2-7b.yaml", *base)
+    # bf16: 2 bytes of weight and 2 of gradient for the largest parameter gathered whole: an MLP
+    # weight of 131,072 x 4,096 (the vocabulary layers are 32,000 x 4,096).
+    assert estimate(cfg, model, 64, 4).gathered == 4 * 131072 * 4096
+    cfg2, _ = _cfg("llama2-7b.yaml", *base, "parallel.tile_factor=2")
+    assert estimate(cfg2, model, 64, 4).gathered == 4 * 131072 * 4096 / 4  # one of 2 x 2 tiles
+    cfg4, _ = _cfg("llama2-7b.yaml", *base, "parallel.tile_factor=4")
+    assert estimate(cfg4, model, 64, 4).gathered == 4 * 32000 * 4096  # now the output layer
+    tp, _ = _cfg("llama2-7b.yaml", *base, "parallel.tile_factor=2", "parallel.tensor=4")
+    assert estimate(tp, model, 64, 4).gathered == 4 * 131072 * 4096 / 4 / 4  # a tile of a slice
+    no_zero3, _ = _cfg("llama2-7b.yaml", "parallel.zero_stage=2", "training.global_batch_size=64",
+                       "model.ffn_hidden=131072")
+    assert estimate(no_zero3, model, 64, 4).gathered == 0  # the weights are all there already
+
+    # A layer larger than the device: 2,097,152 x 4,096 x 4 bytes = 34.4 GB gathered at once; in
+    # 8 x 8 tiles, 0.54 GB.
+    big = ["parallel.zero_stage=3", "training.global_batch_size=512", "model.ffn_hidden=2097152",
+           "data.seq_length=512"]
+    cfg, _ = _cfg("llama2-7b.yaml", *big)
+    lines, ok = plan_report(cfg, 512, 4, "A100-40GB", 0.4)
+    assert not ok and "tile it (parallel.tile_factor)" in "\n".join(lines)
+    cfg, _ = _cfg("llama2-7b.yaml", *big, "parallel.tile_factor=8")
+    lines, ok = plan_report(cfg, 512, 4, "A100-40GB", 0.4)
+    text = "\n".join(lines)
+    assert ok and "gathered by ZeRO-3                 0.54" in text and "(tiles of 1/64)" in text
+
+
+def test_suggested_step_time_by_hand():
+    from megatron_lite.planner.suggest import step_seconds
+
+    cfg, model = _cfg("gpt2-124m.yaml", "model.vocab_size=50304", "parallel.zero_stage=1",
+                      "model.activation_checkpointing=false")
+    plan = estimate(cfg, model, 4, 4)
+    seconds, parts = step_seconds(plan, cfg, DEVICES["A100-40GB"], 4, 0.4)
+    # One node of 4 data-parallel ranks: the FLOPs at 40% of 312 TFLOP/s each, plus one ring
+    # all-reduce of the bf16 gradients (2 · 3/4 of them) at 200 GB/s within the node.
+    compute = plan.flops_per_token * plan.tokens_per_step / (4 * 312e12 * 0.4)
+    data = plan.stage_parameters * 2 * 2 * 3 / 4 / 200e9
+    assert parts == pytest.approx({"compute": compute, "data": data}, rel=1e-12)
+    assert seconds == pytest.approx(compute + data, rel=1e-12)
+    # Two nodes: the data-parallel ring crosses Polaris's network, 12.5 GB/s per GPU.
+    _, across = step_seconds(estimate(cfg, model, 8, 4), cfg, DEVICES["A100-40GB"], 4, 0.4)
+    assert across["data"] == pytest.approx(plan.stage_parameters * 2 * 2 * 7 / 8 / 12.5e9, rel=1e-12)
+
+
+def test_suggest_ranks_the_layouts_that_fit():
+    from megatron_lite.planner.suggest import HEADROOM, suggest
+
+    cfg, _ = _cfg("llama2-7b.yaml")
+    spec = DEVICES["A100-40GB"]
+    found = suggest(cfg, None, 8, 4, spec, 0.4)
+    assert len(found) > 10
+    assert [s.seconds for s in found] == sorted(s.seconds for s in found)
+    assert all(s.plan.total <= HEADROOM * 40e9 for s in found)
+    layouts = {s.overrides for s in found}
+    # Plain data parallelism with ZeRO-1 holds 2 + 2 + 12/8 bytes per parameter: 37 GB, no fit.
+    assert not any("parallel.zero_stage=1" in o and "parallel.tensor=1" in o and "parallel.ulysses=1" in o
+                   and "parallel.pipeline=1" in o for o in layouts)
+    # On one A100-80GB the 7B model fits only with the optimizer state in host memory.
+    alone = suggest(cfg, None, 1, 1, DEVICES["A100-80GB"], 0.4)
+    assert alone and all("parallel.offload_optimizer=cpu" in s.overrides for s in alone)
+
+
+def test_plan_suggest_on_the_command_line():
+    out = _plan("recipes/llama2-7b.yaml", "--suggest", "--world-size", "8")
+    assert out.returncode == 0, out.stderr
+    assert "fastest first" in out.stdout and "run the first with: pretrain.py RECIPE" in out.stdout
+    out = _plan("recipes/llama2-7b.yaml", "model.n_layers=400", "--suggest", "--world-size", "1")
+    assert out.returncode == 1 and "none fits" in out.stdout

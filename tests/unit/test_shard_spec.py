@@ -7,7 +7,7 @@ from torch import nn
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.distributed.shard_spec import ShardSpec, spec
+from megatron_lite.distributed.shard_spec import ShardSpec, joined, spec
 from megatron_lite.model.transformer import Transformer, initial_value
 from megatron_lite.parallel import build_parallel_model
 
@@ -26,7 +26,7 @@ def test_one_process_build_tags_every_parameter_with_its_plain_name_and_initial_
     for name, p in got.items():
         where = spec(p)
         assert where.full_shape == tuple(plain[name].shape) == tuple(p.shape)
-        assert not where.sharded and where.slice is None and where.grad_sum_group is None
+        assert not where.sharded and where.cuts == () and where.grad_sum_group is None
         torch.testing.assert_close(p.detach(), initial_value(CFG, name, p.shape, 3), rtol=0, atol=0)
 
 
@@ -36,10 +36,17 @@ def test_slices_of_all_ranks_put_back_together_give_the_full_tensor():
     assert whole.local(full) is full
     for dim in (0, 1):
         parts = [whole.sliced(dim, rank, 2) for rank in range(2)]
-        assert [p.slice for p in parts] == [(dim, 0, 2), (dim, 1, 2)]
+        assert [p.cuts for p in parts] == [((dim, 0, 2),), ((dim, 1, 2),)]
         pieces = [p.local(full) for p in parts]
         assert all(piece.shape[dim] == full.shape[dim] // 2 for piece in pieces)
         torch.testing.assert_close(torch.cat(pieces, dim), full)
+    # A tile of a tensor-parallel slice: the slice's rows, then a 2 x 2 grid over the slice.
+    tiles = [whole.sliced(0, 1, 2).tiled(r, c, 2) for r in range(2) for c in range(2)]
+    assert tiles[1].cuts == ((0, 1, 2), (0, 0, 2), (1, 1, 2))
+    torch.testing.assert_close(tiles[1].local(full), full[4:6, 3:6])
+    other_half = [(((0, 0, 2),), full[:4])]
+    torch.testing.assert_close(joined([*other_half, *((t.cuts, t.local(full)) for t in tiles)]), full)
+    assert joined([(t.cuts, t.local(full)) for t in tiles])[:4].isnan().all()  # not covered
     group = object()
     summed = whole.summed_over(group)
     assert summed.grad_sum_group is group and whole.grad_sum_group is None  # replaced, not edited
