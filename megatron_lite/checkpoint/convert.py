@@ -84,7 +84,7 @@ def import_hf(hf_dir: Path, root: Path) -> Path:
         if cfg.tie_embeddings and name == "lm_head.weight":
             continue
         flat = tensor.detach().float().reshape(-1).clone()
-        fragments.append(Fragment(name, tuple(tensor.shape), None, 0,
+        fragments.append(Fragment(name, tuple(tensor.shape), (), 0,
                                   {"param": flat, "exp_avg": torch.zeros_like(flat),
                                    "exp_avg_sq": torch.zeros_like(flat)}).to_dict())
     tmp = root / f".tmp-{store.step_name(0)}"

@@ -21,12 +21,9 @@ WORKER = REPO / "tests/distributed/layout_worker.py"
 LAYOUTS = {
     "tp2-megatron-sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     "pp2": (2, ["parallel.pipeline=2"]),
-    "pp2-zero1": (2, ["parallel.pipeline=2", "parallel.zero_stage=1",
-                      "parallel.pipeline_partition=type:Block"]),
     "tp2xpp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "dp2-zero1": (2, ["parallel.zero_stage=1"]),
     "dp2-zero2": (2, ["parallel.zero_stage=2"]),
-    "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "hsdp-2x2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]),
     # ZeRO-Offload: DeepSpeed's CPU Adam updates host partitions (ZeRO-2), and under ZeRO-3 the
     # parameters wait in host memory too.
@@ -34,12 +31,14 @@ LAYOUTS = {
     "dp2-zero3-offload": (2, ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
                               "parallel.offload_params=cpu"]),
     # Memory-centric tiling: each block linear 2 x 2 tiles (column- and row-parallel ones too),
-    # each gathered on its own by ZeRO-3.
+    # each gathered on its own by ZeRO-3 (ZeRO-3 without tiles: the offload layout, and
+    # tests/distributed/test_pretrain_layouts.py).
     "tp2xdp2-zero3-tile2": (4, ["parallel.tensor=2", "parallel.zero_stage=3", "parallel.tile_factor=2"]),
     # 4D: Ulysses within each tensor rank's heads, and across pipeline stages; on 8 ranks all
     # four kinds of model parallelism at once (Megatron sequence parallelism included).
     "tp2xulysses2": (4, ["parallel.tensor=2", "parallel.ulysses=2"]),
-    "pp2xulysses2": (4, ["parallel.pipeline=2", "parallel.ulysses=2", "parallel.zero_stage=1"]),
+    "pp2xulysses2-zero1": (4, ["parallel.pipeline=2", "parallel.ulysses=2", "parallel.zero_stage=1",
+                               "parallel.pipeline_partition=type:Block"]),
     "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                  "parallel.pipeline=2", "parallel.ulysses=2"]),
     "hsdp-2x4": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=4", "training.micro_batch_size=1"]),

@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, char_overrides, check, cpu_env, pretrain_command, read_metrics, run_pretrain
+from tests.conftest import (
+    RECIPE_ALLOCATION,
+    REPO,
+    char_overrides,
+    check,
+    cpu_env,
+    pretrain_command,
+    read_metrics,
+    run_pretrain,
+)
 
 RECIPE = "recipes/shakespeare-char.yaml"
 
@@ -40,7 +49,8 @@ def test_every_recipe_dry_runs_and_plans_before_any_data_exists(tmp_path, monkey
     recipes = sorted((REPO / "recipes").glob("*.yaml"))
     assert len(recipes) >= 9
     for recipe in recipes:
-        assert pretrain.main([str(recipe), flag]) == 0, recipe.name
+        where = RECIPE_ALLOCATION.get(recipe.name, []) if flag == "--plan" else []
+        assert pretrain.main([str(recipe), flag, *where]) == 0, recipe.name
         out = capsys.readouterr()
         assert "does not exist yet" not in out.out + out.err, (recipe.name, out.err)
         assert "parameters:" in out.out, recipe.name

@@ -15,7 +15,7 @@ from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import build_model, count_parameters, resolve_model
 from megatron_lite.planner import estimate, parameter_counts
 from megatron_lite.planner.estimate import loss_bytes, step_time
-from tests.conftest import REPO, _free_port, cpu_env
+from tests.conftest import RECIPE_ALLOCATION, REPO, _free_port, cpu_env
 
 LLAMA2_7B = 6_738_415_616  # huggyllama/llama-7b
 
@@ -151,13 +151,9 @@ def _plan(*args):
                           env=cpu_env(), capture_output=True, text=True, timeout=120)
 
 
-# The allocation a recipe's header names, where one node (4 x A100-40GB) is not enough.
-ALLOCATION = {"llama3-8b.yaml": ["--world-size", "8"]}
-
-
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
 def test_plan_runs_on_every_recipe(recipe):
-    out = _plan(f"recipes/{recipe}", *ALLOCATION.get(recipe, []))
+    out = _plan(f"recipes/{recipe}", *RECIPE_ALLOCATION.get(recipe, []))
     assert out.returncode == 0, out.stderr + out.stdout
     assert "memory per device" in out.stdout and "GFLOPs per token" in out.stdout
 
