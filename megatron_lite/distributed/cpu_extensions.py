@@ -34,11 +34,23 @@ def use_environment_extensions_dir() -> None:
     ``~/.cache/torch_extensions`` between every environment of a Python version; two
     environments (two checkouts, a CI clone) then rebuild the op in turn, each time under the
     other's running processes."""
+    use_environment_ninja()
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     target = Path(sys.prefix) / "torch_extensions"
     if os.access(sys.prefix, os.W_OK):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(target)
+
+
+def use_environment_ninja() -> None:
+    """Build with this Python environment's ``ninja`` where it has one (``pip install ninja``),
+    whether or not the environment is activated. Torch runs whichever ``ninja`` is first on
+    ``PATH``; a system ninja and the environment's write build logs the other does not read, so
+    each switch between them rebuilt every op (a minute or more on two cores)."""
+    bin_dir = Path(sys.executable).parent
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if (bin_dir / "ninja").exists() and (not path or path[0] != str(bin_dir)):
+        os.environ["PATH"] = os.pathsep.join([str(bin_dir), *path])
 
 
 def build_directory() -> Path:

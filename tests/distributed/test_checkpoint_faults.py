@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,8 +54,10 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(tmp_path):
 def test_time_limit_saves_and_exits_zero(tmp_path):
     proc = check(run_pretrain([*_args(tmp_path, "training.iters=1000", "training.exit_duration_mins=0.001"),
                                f"checkpoint.dir={tmp_path}/ck", f"logging.dir={tmp_path}/run"]))
-    assert "stopping at step 1: training.exit_duration_mins=0.001 reached" in proc.stdout
-    assert (tmp_path / "ck/latest").read_text().strip() == "step_00000001"
+    # 0.06 s: the limit is found reached after the first step or two (a fast machine's first).
+    stopped = re.findall(r"stopping at step (\d+): training.exit_duration_mins=0.001 reached", proc.stdout)
+    assert len(stopped) == 1 and int(stopped[0]) <= 3, proc.stdout[-2000:]
+    assert (tmp_path / "ck/latest").read_text().strip() == f"step_{int(stopped[0]):08d}"
     assert any(r.get("event") == "stop" for r in read_metrics(tmp_path / "run"))
 
 

@@ -45,3 +45,20 @@ def test_the_environment_gets_its_own_build_directory(monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
     cpu_extensions.use_environment_extensions_dir()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/elsewhere"  # the user's setting wins
+
+
+def test_ops_are_built_with_the_environments_ninja_even_when_it_is_not_activated(monkeypatch):
+    # A system ninja first on PATH (an environment used without activation, as `make install`
+    # runs it) would rebuild the ops `make install` built with the environment's.
+    import shutil
+    import sys
+
+    env_bin = os.path.dirname(sys.executable)
+    assert os.path.exists(os.path.join(env_bin, "ninja")), "ninja is a dependency of the environment"
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
+    cpu_extensions.use_environment_extensions_dir()
+    assert os.environ["PATH"].split(os.pathsep)[0] == env_bin
+    assert shutil.which("ninja") == os.path.join(env_bin, "ninja")
+    cpu_extensions.use_environment_extensions_dir()  # once only
+    assert os.environ["PATH"].split(os.pathsep).count(env_bin) == 1
