@@ -48,7 +48,9 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args[0], args[1:])
     except ConfigError as e:
-        _report_once(e)
+        from megatron_lite.training.entry import report_once
+
+        report_once(e)
         return 2
     if "--print-config" in flags:
         print(to_yaml(cfg), end="")
@@ -78,42 +80,9 @@ def main(argv: list[str]) -> int:
     if "--plan" in flags:
         return _plan(cfg, values, suggest="--suggest" in flags)
 
-    import torch.distributed as dist
+    from megatron_lite.training.entry import train_to_exit_status
 
-    from megatron_lite.checkpoint import CheckpointError
-    from megatron_lite.distributed import TopologyError
-    from megatron_lite.distributed.collectives import CollectiveError, first_line
-    from megatron_lite.distributed.cpu_extensions import StaleBuildLock
-    from megatron_lite.spikes import SpikeStop
-    from megatron_lite.training.control import Stopped, stop_on_signals
-    from megatron_lite.training.run import run
-
-    stop_on_signals()
-    try:
-        run(cfg)
-    except Stopped as e:
-        print(f"error: stopped by {e} (a signal saves a checkpoint only once training runs, with "
-              "checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", file=sys.stderr)
-        return 128 + e.signum
-    except TopologyError as e:
-        _report_once(e)
-        return 2
-    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
-        import traceback
-
-        traceback.print_exc()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        reason = f"{type(e).__name__}: {first_line(e)}"
-        if isinstance(e, dist.DistError) or "timed out" in reason.lower():
-            # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
-            reason = (f"a collective failed (distributed.timeout_minutes="
-                      f"{cfg.distributed.timeout_minutes}): {reason}")
-        print(f"error: rank {rank}: {reason}", file=sys.stderr)
-        return 1
-    return 0
+    return train_to_exit_status(cfg)
 
 
 VALUE_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float,
@@ -165,14 +134,6 @@ def _plan(cfg, values: dict, suggest: bool = False) -> int:
         return 2
     print("\n".join(lines))
     return 0 if fits else 1
-
-
-def _report_once(error: Exception) -> None:
-    """A recipe or layout error is the same on every rank: print it from the first rank only."""
-    from megatron_lite.distributed import detect
-
-    if detect().rank == 0:
-        print(f"error: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

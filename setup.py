@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+RAY = ["ray[default,train]>=2.60,<3", "datasets>=3"]
+
 setup(
     name="megatron_lite",
     version="0.1.0",
@@ -22,8 +24,11 @@ setup(
     ],
     # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot
     # (optional for users, tested here); mpich: an mpiexec (MPICH's Hydra) for running
-    # launch/polaris.sh on a workstation and in the tests.
+    # launch/polaris.sh on a workstation and in the tests. ray: launch/ray_train.py (Ray Train 2;
+    # "default" brings the dashboard, whose state API Ray Train's controller queries) and
+    # Hugging Face datasets as preprocessing input.
     extras_require={"report": ["matplotlib>=3.7"],
+                    "ray": RAY,
                     "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7",
-                             "mpich>=4; sys_platform == 'linux'"]},
+                             "mpich>=4; sys_platform == 'linux'", *RAY]},
 )

@@ -211,6 +211,11 @@ class DistributedConfig:
     setup_timeout_minutes: float = 60.0
     """How long the other ranks wait while one rank builds the dataset and its indices (a large
     corpus takes minutes), instead of ``timeout_minutes``."""
+    master_addr: Optional[str] = None
+    """The rendezvous host for launchers that do not name one (``launch/ray_train.py``): the
+    first rank listens there. Null: ``MASTER_ADDR`` from the environment, else the address the
+    first worker's Ray node registered with the cluster. Other launchers set ``MASTER_ADDR``
+    themselves (torchrun, ``launch/polaris.sh``, ``launch/gaudi.sh``)."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, to_yaml
@@ -15,6 +17,7 @@ from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import load_tokenizer
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
+from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.parallel_dims import abandon_distributed, shutdown_distributed
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
@@ -66,10 +69,14 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
 
 
-def run(cfg: Config) -> RunResult:
-    dims, acc = init_distributed(cfg, detect())
+def run(cfg: Config, env: LaunchEnv | None = None,
+        on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Train ``cfg`` in the launch environment ``env`` (default: detected from the launcher's
+    variables). ``on_record`` receives every training record, on every rank (a launcher's own
+    metrics channel, such as Ray's)."""
+    dims, acc = init_distributed(cfg, env or detect())
     try:
-        result = _run_on_groups(cfg, dims, acc)
+        result = _run_on_groups(cfg, dims, acc, on_record)
     except BaseException:
         abandon_distributed()
         raise
@@ -77,7 +84,7 @@ def run(cfg: Config) -> RunResult:
     return result
 
 
-def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
+def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     def log(msg: str) -> None:
         if dims.is_main:
             print(msg, flush=True)
@@ -135,7 +142,7 @@ def _run_on_groups(cfg: Config, dims, acc) -> RunResult:
     try:
         checkpointer = (Checkpointer(cfg, dims, acc, parts.engine, model_cfg, log) if cfg.checkpoint.dir
                         else None)
-        trainer = Trainer(cfg, dims, parts, data, logger, log, checkpointer)
+        trainer = Trainer(cfg, dims, parts, data, logger, log, checkpointer, on_record)
         trainer.maybe_resume()
         result = trainer.train()
     finally:

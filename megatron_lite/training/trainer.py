@@ -56,10 +56,12 @@ class Trainer:
     every step goes through the spike tracker (``SpikeTracker.track``)."""
 
     def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
-                 logger: MetricsLogger, log: Callable[[str], None], checkpointer: Checkpointer | None = None):
+                 logger: MetricsLogger, log: Callable[[str], None], checkpointer: Checkpointer | None = None,
+                 on_record: Callable[[dict], None] | None = None):
         self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
         self.engine, self.steps, self.device = parts.engine, parts.steps, parts.device
         self.checkpointer, self.logger, self.log = checkpointer, logger, log
+        self.on_record = on_record
         self.total_iters = parts.iters
         self.global_batch = dims.global_batch(cfg)
         self.grad_accum = dims.grad_accumulation(cfg)
@@ -165,6 +167,8 @@ class Trainer:
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters))
+                if self.on_record is not None:
+                    self.on_record(record)
                 if self.saves is not None:
                     self.saves.warn_if_old(st.step, st.consumed_samples)
                 loss_sum.zero_()

@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""Train a recipe on a Ray cluster with Ray Train: each worker runs pretrain.py's trainer.
+
+usage: python launch/ray_train.py RECIPE.yaml [dotted.key=value ...] --num-workers N
+           [--gpu | --hpu] [--address ADDR] [--max-failures K] [--cpus-per-worker C]
+           [--report-interval S]
+
+  --num-workers N     training processes (one per GPU / HPU)
+  --gpu, --hpu        train on GPUs (NCCL) or Gaudi HPUs (HCCL); default: CPU (gloo)
+  --address ADDR      join this Ray cluster ("auto": the one this node belongs to); default:
+                      start a cluster of this machine alone, on loopback
+  --max-failures K    when a worker process or node dies, restart the workers up to K times;
+                      each restart resumes from the newest checkpoint in checkpoint.dir
+  --cpus-per-worker C CPUs Ray reserves for each worker (default 1)
+  --report-interval S report to Ray (ray.train.report) the training records of every S-th step
+                      (default: every record, training.log_interval)
+
+The rendezvous host is MASTER_ADDR when set, else distributed.master_addr, else the address
+the first worker's Ray node registered with the cluster. Ray's records of the run go under
+checkpoint.dir/ray. Exit status: 0 when the run finished as asked; otherwise non-zero with a
+one-line reason (see docs/launch.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(usage=__doc__.split("\n\n")[1].strip().removeprefix("usage: "),
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--num-workers", type=int, required=True)
+    device = p.add_mutually_exclusive_group()
+    device.add_argument("--gpu", action="store_true")
+    device.add_argument("--hpu", action="store_true")
+    p.add_argument("--address")
+    p.add_argument("--max-failures", type=int, default=0)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--report-interval", type=int)
+    args = p.parse_args(argv)
+    if args.num_workers < 1:
+        p.error(f"--num-workers {args.num_workers}: must be at least 1")
+    if args.report_interval is not None and args.report_interval < 1:
+        p.error(f"--report-interval {args.report_interval}: must be at least 1")
+
+    from megatron_lite.config import ConfigError, load_config
+    from megatron_lite.training.ray_train import RayNotInstalled, WorkerSpec, fit, worker_environment
+
+    device = "cuda" if args.gpu else "hpu" if args.hpu else "cpu"
+    try:  # the recipe is checked here, before any worker starts
+        cfg = load_config(args.recipe, [*args.overrides, f"training.device={device}"])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.max_failures and not cfg.checkpoint.dir:
+        print("warning: --max-failures without checkpoint.dir: a restarted run starts again "
+              "from step 0", file=sys.stderr)
+    env = worker_environment(device, cfg.training.hpu_mode, dict(os.environ))
+    spec = WorkerSpec(recipe=os.path.abspath(args.recipe), overrides=args.overrides, device=device,
+                      master_addr=os.environ.get("MASTER_ADDR") or cfg.distributed.master_addr,
+                      env=env, cwd=os.getcwd(), report_interval=args.report_interval)
+    try:
+        name = cfg.logging.run_name or Path(cfg.logging.dir).name
+        return fit(spec, args.num_workers, cfg.checkpoint.dir, name, address=args.address,
+                   max_failures=args.max_failures, cpus_per_worker=args.cpus_per_worker)
+    except RayNotInstalled as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

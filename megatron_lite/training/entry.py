@@ -1,0 +1,63 @@
+"""Train one config and turn the outcome into an exit status and a one-line reason: the end of
+every launcher's path (``pretrain.py``, each Ray Train worker)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from megatron_lite.config import Config
+from megatron_lite.distributed.launcher_env import LaunchEnv
+
+
+def report_once(error: Exception, env: LaunchEnv | None = None) -> None:
+    """A recipe or layout error is the same on every rank: print it from the first rank only."""
+    from megatron_lite.distributed import detect
+
+    if (env or detect()).rank == 0:
+        print(f"error: {error}", file=sys.stderr)
+
+
+def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
+                         on_record: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Run ``cfg`` to the end; 0 when it finished as asked, otherwise non-zero after printing
+    ``error: <reason>`` on stderr (2: the config or layout is wrong, 1: the run failed,
+    128 + N: stopped by signal N). ``env`` is the launch environment (default: detected from
+    the launcher's variables); ``on_record`` receives every training record on every rank."""
+    import torch.distributed as dist
+
+    from megatron_lite.checkpoint import CheckpointError
+    from megatron_lite.distributed import TopologyError
+    from megatron_lite.distributed.collectives import CollectiveError, first_line
+    from megatron_lite.distributed.cpu_extensions import StaleBuildLock
+    from megatron_lite.spikes import SpikeStop
+    from megatron_lite.training.control import Stopped, stop_on_signals
+    from megatron_lite.training.run import run
+
+    stop_on_signals()
+    try:
+        run(cfg, env, on_record)
+    except Stopped as e:
+        print(f"error: stopped by {e} (a signal saves a checkpoint only once training runs, with "
+              "checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", file=sys.stderr)
+        return 128 + e.signum
+    except TopologyError as e:
+        report_once(e, env)
+        return 2
+    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
+        import traceback
+
+        traceback.print_exc()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        reason = f"{type(e).__name__}: {first_line(e)}"
+        if isinstance(e, dist.DistError) or "timed out" in reason.lower():
+            # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
+            reason = (f"a collective failed (distributed.timeout_minutes="
+                      f"{cfg.distributed.timeout_minutes}): {reason}")
+        print(f"error: rank {rank}: {reason}", file=sys.stderr)
+        return 1
+    return 0
