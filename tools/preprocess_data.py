@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Tokenize jsonl / plain-text files into Megatron-LM indexed datasets (.bin/.idx).
+"""Tokenize jsonl / parquet / plain-text files or Hugging Face datasets into Megatron-LM indexed
+datasets (.bin/.idx).
 
 Example:
     python tools/preprocess_data.py --input data/works.jsonl --output-prefix data/works \
         --json-keys text --tokenizer-type sentencepiece --tokenizer-model data/sp.model \
         --append-eod --workers 2
 writes data/works_text_document.bin/.idx (Megatron's naming).
+
+    python tools/preprocess_data.py --input hf:wikitext:wikitext-2-raw-v1 --split train ...
+reads a Hugging Face dataset (the datasets library: pip install -e .[ray]).
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="input files or globs: .jsonl/.jsonl.gz (one JSON document per line), "
-                        ".parquet (with pyarrow), or plain text (see --text-split)")
+                        ".parquet (with pyarrow), or plain text (see --text-split); Hugging Face "
+                        "datasets: hf:NAME[:CONFIG] from the Hub, a directory (Dataset.save_to_disk "
+                        "or data files), .arrow files")
+    p.add_argument("--split", default="train", help="the split of Hugging Face dataset inputs")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream hf: datasets from the Hub instead of downloading them first")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract")
     p.add_argument("--tokenizer-type", required=True, choices=sorted(TYPES))
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
                    args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,
                    text_split=args.text_split, strict=args.strict,
-                   show_progress=False if args.no_progress else None)
+                   show_progress=False if args.no_progress else None, split=args.split,
+                   streaming=args.streaming)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

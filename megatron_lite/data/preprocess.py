@@ -1,6 +1,7 @@
 """Raw text -> tokenized Megatron indexed datasets, streaming, parallel and robust.
 
-Pipeline: the main process reads raw records (jsonl lines, text blocks or files, parquet rows)
+Pipeline: the main process reads raw records (jsonl lines, text blocks or files, parquet rows,
+Hugging Face dataset rows)
 in batches of about ``BATCH_BYTES``; workers decode, validate and tokenize a whole batch and
 return flat numpy arrays (cheap to pickle); results are taken in input order, so the output
 bytes do not depend on the worker count; one writer per JSON key streams to ``.tmp`` files that are
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_lite.data import hf_datasets
 from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
 
@@ -92,15 +94,19 @@ class Record:
     line: int = 0  # first line number of a jsonl block
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[Path]:
-    paths: list[Path] = []
+def expand_inputs(inputs: Sequence[str]) -> list[Path | str]:
+    """Files (globs expanded) and, as strings, Hugging Face datasets (``hf_datasets``), in order."""
+    sources: list[Path | str] = []
     for pattern in inputs:
+        if hf_datasets.is_datasets_input(pattern):
+            sources.append(pattern)
+            continue
         matches = sorted(glob.glob(pattern)) or [pattern]
-        paths.extend(Path(m) for m in matches)
-    missing = [str(p) for p in paths if not p.is_file()]
+        sources.extend(Path(m) for m in matches)
+    missing = [str(p) for p in sources if isinstance(p, Path) and not p.is_file()]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
-    return paths
+    return sources
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -113,9 +119,15 @@ def _open_binary(path: Path):
     return (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw), raw
 
 
-def read_records(paths: Sequence[Path], keys: Sequence[str], text_split: str,
-                 progress: Callable[[int], None]) -> Iterator[Record]:
+def read_records(paths: Sequence[Path | str], keys: Sequence[str], text_split: str,
+                 progress: Callable[[int], None], split: str = "train",
+                 streaming: bool = False) -> Iterator[Record]:
     for path in paths:
+        if isinstance(path, str):  # a Hugging Face dataset
+            dataset = hf_datasets.load(path, split, streaming, PreprocessError)
+            for where, values in hf_datasets.rows(path, dataset, keys, progress):
+                yield Record(where, "values", values)
+            continue
         if path.suffix == ".parquet":
             yield from _parquet_records(path, keys, progress)
             continue
@@ -388,8 +400,10 @@ def encode_batch(batch: list[Record]):
 def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[str],
                tokenizer_type: str, tokenizer_model: str, append_eod: bool = False,
                workers: int = 1, text_split: str = "file", strict: bool = False,
-               log: Callable[[str], None] = print, show_progress: bool | None = None) -> Summary:
-    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key."""
+               log: Callable[[str], None] = print, show_progress: bool | None = None,
+               split: str = "train", streaming: bool = False) -> Summary:
+    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key.
+    ``split`` and ``streaming`` apply to Hugging Face dataset inputs."""
     if text_split not in TEXT_SPLITS:
         raise PreprocessError(f"text split '{text_split}' is not one of {TEXT_SPLITS}")
     paths = expand_inputs(inputs)
@@ -398,7 +412,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     policy = separator_policy(tokenizer, append_eod)
     dtype = token_dtype(tokenizer.vocab_size)
     summary = Summary(separator_policy=policy.description, tokens={k: 0 for k in keys})
-    total_bytes = sum(p.stat().st_size for p in paths)
+    total_bytes = sum(p.stat().st_size for p in paths if isinstance(p, Path))
     bar = _progress_bar(total_bytes, show_progress)
     writers = {k: IndexedDatasetWriter(f"{output_prefix}_{k}_document", dtype) for k in keys}
     init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str, workers > 1)
@@ -415,7 +429,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
             bar.update(nbytes)
 
     try:
-        batches = batch_records(read_records(paths, keys, text_split, advance))
+        batches = batch_records(read_records(paths, keys, text_split, advance, split, streaming))
         if pool is None:
             _init_worker(*init_args)
             results = map(encode_batch, batches)

@@ -1,6 +1,8 @@
-"""Tokenizers behind one small interface: sentencepiece, Hugging Face (local), character-level.
+"""Tokenizers behind one small interface: sentencepiece, Hugging Face, character-level.
 
-Nothing here touches the network: Hugging Face tokenizers load with ``local_files_only``.
+Only a Hugging Face tokenizer named by its Hub id (``meta-llama/Llama-3.2-1B``; not a local
+directory) touches the network, through transformers (or transformers' cache of it); a local
+directory loads with ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -167,7 +169,17 @@ class HFTokenizer:
     def __init__(self, path: str | Path):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if Path(path).exists():
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        else:
+            try:
+                self.tok = AutoTokenizer.from_pretrained(str(path))
+            except Exception as e:  # the network, the Hub, a gated model: one line for each
+                reason = " ".join(str(e).split())[:300] or type(e).__name__
+                raise FileNotFoundError(
+                    f"tokenizer '{path}' is not a local directory and did not load from the Hugging "
+                    f"Face Hub ({reason}); where the network allows, save it (hf download {path} "
+                    "--local-dir DIR) and pass DIR") from None
         self.vocab_size = len(self.tok)
         self.eod_id = self.tok.eos_token_id
         self.bos_id = self.tok.bos_token_id
@@ -185,10 +197,19 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` or ``name`` as the Hugging Face Hub spells repositories (never a path that
+    starts with ``/``, ``.`` or ``~``, and no deeper than one slash)."""
+    return HUB_ID.fullmatch(name) is not None
+
+
 def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
     """The tokenizer of ``kind`` ('char', 'sentencepiece', 'huggingface', 'megatron-sentencepiece')
-    stored at ``path``."""
-    if not Path(path).exists():
+    stored at ``path`` (for 'huggingface', also a Hub id)."""
+    if not Path(path).exists() and not (kind == "huggingface" and is_hub_id(str(path))):
         raise FileNotFoundError(f"tokenizer '{path}' does not exist (data.tokenizer.model)")
     if kind == "char":
         return CharTokenizer(path)
