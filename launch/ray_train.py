@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-failures", type=int, default=0)
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("--report-interval", type=int)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     if args.num_workers < 1:
         p.error(f"--num-workers {args.num_workers}: must be at least 1")
     if args.report_interval is not None and args.report_interval < 1:
@@ -59,6 +59,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.address is None:  # this machine alone: the layout for N ranks on one node, now
+        from megatron_lite.distributed import ParallelDims, TopologyError
+
+        try:
+            ParallelDims.plan(cfg, args.num_workers, local_world_size=args.num_workers)
+        except TopologyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.max_failures and not cfg.checkpoint.dir:
         print("warning: --max-failures without checkpoint.dir: a restarted run starts again "
               "from step 0", file=sys.stderr)

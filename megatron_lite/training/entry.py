@@ -11,7 +11,7 @@ from megatron_lite.config import Config
 from megatron_lite.distributed.launcher_env import LaunchEnv
 
 
-def report_once(error: Exception, env: LaunchEnv | None = None) -> None:
+def report_once(error: Exception | str, env: LaunchEnv | None = None) -> None:
     """A recipe or layout error is the same on every rank: print it from the first rank only."""
     from megatron_lite.distributed import detect
 
@@ -25,6 +25,20 @@ def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
     ``error: <reason>`` on stderr (2: the config or layout is wrong, 1: the run failed,
     128 + N: stopped by signal N). ``env`` is the launch environment (default: detected from
     the launcher's variables); ``on_record`` receives every training record on every rank."""
+    status, reason, every_rank = train_outcome(cfg, env, on_record)
+    if reason is not None:
+        if every_rank:
+            print(f"error: {reason}", file=sys.stderr)
+        else:
+            report_once(reason, env)
+    return status
+
+
+def train_outcome(cfg: Config, env: LaunchEnv | None = None,
+                  on_record: Callable[[dict[str, Any]], None] | None = None
+                  ) -> tuple[int, str | None, bool]:
+    """(exit status, one-line reason or None, whether every rank should print the reason
+    rather than the first alone) of training ``cfg``; see ``train_to_exit_status``."""
     import torch.distributed as dist
 
     from megatron_lite.checkpoint import CheckpointError
@@ -39,15 +53,12 @@ def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
     try:
         run(cfg, env, on_record)
     except Stopped as e:
-        print(f"error: stopped by {e} (a signal saves a checkpoint only once training runs, with "
-              "checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", file=sys.stderr)
-        return 128 + e.signum
-    except TopologyError as e:
-        report_once(e, env)
-        return 2
+        return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
+                "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
+    except TopologyError as e:  # the same on every rank
+        return 2, str(e), False
     except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1, str(e), True
     except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
         import traceback
 
@@ -58,6 +69,5 @@ def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
             # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
             reason = (f"a collective failed (distributed.timeout_minutes="
                       f"{cfg.distributed.timeout_minutes}): {reason}")
-        print(f"error: rank {rank}: {reason}", file=sys.stderr)
-        return 1
-    return 0
+        return 1, f"rank {rank}: {reason}", True
+    return 0, None, True

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -127,7 +128,7 @@ def worker_loop(spec_dict: dict[str, Any]) -> None:
 
     from megatron_lite.config import load_config
     from megatron_lite.distributed.launcher_env import LaunchEnv
-    from megatron_lite.training.entry import train_to_exit_status
+    from megatron_lite.training.entry import train_outcome
 
     spec = WorkerSpec(**spec_dict)
     os.environ.update(spec.env)
@@ -146,16 +147,15 @@ def worker_loop(spec_dict: dict[str, Any]) -> None:
     cfg = load_config(spec.recipe, [*spec.overrides, f"training.device={spec.device}"])
 
     reporter = RayReporter(spec.report_interval or cfg.training.log_interval)
-    status = 1
+    status, reason = 1, "stopped"
     try:
-        status = train_to_exit_status(cfg, env, reporter)
+        status, reason, _ = train_outcome(cfg, env, reporter)
     finally:
         reporter.close(timeout=60.0 if status == 0 else 0.0)
-    sys.stdout.flush()
-    sys.stderr.flush()
     if status != 0:
-        # The reason is already on this worker's stderr (Ray shows it with the worker's prefix).
-        raise WorkerFailed(f"rank {rank} stopped with exit status {status}")
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+        # Ray hands the exception to the launcher, which prints the first rank's reason.
+        raise WorkerFailed(f"rank {rank}: exit status {status}: error: {reason}")
 
 
 class RayReporter:
@@ -244,14 +244,16 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
                                      resources_per_worker=resources),
         run_config=RunConfig(name=run_name, storage_path=storage, callbacks=[report_log()],
                              failure_config=FailureConfig(max_failures=max_failures)))
+    failed = None
     try:
         trainer.fit()
     except TrainingFailedError as e:
-        print(f"error: training failed on Ray after {max_failures} restart(s) at most "
-              f"(--max-failures): {_first_line(e)}", file=sys.stderr)
-        return 1
+        failed = failure_reason(e)
     finally:
-        ray.shutdown()
+        ray.shutdown()  # first: Ray's buffered worker lines come out before the reason
+    if failed is not None:
+        print(f"error: training failed on Ray (--max-failures {max_failures}): {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -269,6 +271,21 @@ def report_log():
     return ReportLog()
 
 
-def _first_line(e: BaseException) -> str:
+WORKER_REASON = re.compile(r"rank (\d+): exit status (\d+): error: (.*)", re.DOTALL)
+
+
+def failure_reason(e: BaseException) -> str:
+    """One line for a failed Ray Train run: the first rank's own reason (``WorkerFailed``),
+    else what Ray says about the worker that failed (a process or node lost), else Ray's first
+    line."""
+    failures = getattr(e, "worker_failures", None) or {}
+    texts = [str(failures[rank]) for rank in sorted(failures)] + [str(e)]
+    for text in texts:
+        if m := WORKER_REASON.search(text):
+            return f"rank {m.group(1)}: {m.group(3).strip()}"
+    for rank in sorted(failures):
+        lines = [line.strip() for line in str(failures[rank]).splitlines() if line.strip()]
+        if lines:
+            return f"rank {rank}: {lines[-1]}"
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__

@@ -95,18 +95,29 @@ def test_ray_matches_torchrun_and_resumes_after_a_worker_is_killed(tmp_path):
     assert f"ray: received the report of step {ITERS}: loss {got[ITERS]!r}" in out, out[-3000:]
 
 
-def test_ray_launcher_refuses_a_bad_recipe_before_starting_ray(tmp_path):
+@pytest.mark.parametrize("args,says", [
+    (["training.itres=5", "--num-workers", "2"], "training.itres"),
+    (["--num-workers", "2"], "training.global_batch_size=12 is not a multiple"),  # the layout for 2
+    (["--num-workers", "0"], "--num-workers 0: must be at least 1"),
+])
+def test_ray_launcher_refuses_bad_input_before_starting_ray(args, says):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_train.py"),
-                           "recipes/shakespeare-char.yaml", "training.itres=5", "--num-workers", "2"],
-                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: ")
-    assert "itres" in proc.stderr and "Ray instance" not in proc.stderr + proc.stdout
+                           "recipes/shakespeare-char.yaml", *args], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert "Ray instance" not in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("flags", [["--num-workers", "0"]])
-def test_ray_launcher_checks_its_options(flags):
+def test_a_failing_worker_ends_the_launcher_with_its_reason(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_train.py"),
-                           "recipes/shakespeare-char.yaml", *flags], cwd=REPO, env=cpu_env(),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--num-workers 0" in proc.stderr
+                           "recipes/shakespeare-char.yaml", f"data.prefix={tmp_path}/missing",
+                           "data.build_from=null", "training.global_batch_size=24",
+                           f"logging.dir={tmp_path}/run", "--num-workers", "2"], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: training failed on Ray \(--max-failures 0\): rank [01]: "
+        rf"dataset '{tmp_path}/missing.bin/.idx' "
+        "does not exist; build it with tools/preprocess_data.py or set data.build_from to the raw text "
+        "to build it from", last), proc.stderr[-3000:]
