@@ -48,6 +48,8 @@ LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "tp2xpp2": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=1"]),
     "hsdp-2x2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]),
+    "dp2-zero2-offload": (2, ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]),
+    "dp2-zero3-tile2": (2, ["parallel.zero_stage=3", "parallel.tile_factor=2"]),
 }
 
 
