@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["hf"], help="checkpoint -> Hugging Face directory")
-    way.add_argument("--from", dest="source", choices=["hf"], help="Hugging Face directory -> checkpoint")
+    way.add_argument("--from", dest="source", choices=["hf"],
+                     help="Hugging Face directory (or Hub id, where the network allows) -> checkpoint")
     p.add_argument("input", type=Path)
     p.add_argument("output", type=Path)
     p.add_argument("--tokenizer", type=Path, help="HF tokenizer directory to copy into the export")
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             out = import_hf(a.input, a.output)
             print(f"wrote {out}; train from it with checkpoint.dir={a.output}")
     except (CheckpointError, FileNotFoundError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One line: transformers' errors (a Hub id without network, a gated model) span several.
+        print(f"error: {a.input}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

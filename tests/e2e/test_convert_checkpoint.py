@@ -45,3 +45,15 @@ def test_hf_export_matches_our_logits_and_imports_back(tmp_path):
     proc = check(run_pretrain(["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *LLAMA,
                                f"checkpoint.dir={tmp_path}/imported", f"logging.dir={tmp_path}/run2"]))
     assert "step_00000000 at step 0" in proc.stdout
+
+
+def test_a_hub_model_id_without_network_is_one_line_naming_it(tmp_path):
+    # A local directory is the path the test above takes; a Hub id goes through transformers.
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--from", "hf",
+                           "openai-community/gpt2", str(tmp_path / "ck")], cwd=REPO,
+                          env={**cpu_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: openai-community/gpt2: "), proc.stderr
+    assert not (tmp_path / "ck").exists()
