@@ -402,6 +402,10 @@ class LoggingConfig:
     """Weights & Biases project name."""
     run_name: Optional[str] = None
     """Run name for W&B; null uses the run directory's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags of the run (filters in the W&B interface)."""
+    wandb_group: Optional[str] = None
+    """W&B group: runs that belong together (a sweep, the stages of one model)."""
 
 
 @dataclass(frozen=True)

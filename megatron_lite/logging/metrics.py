@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._wandb = None
+        self._wandb_floor = self._wandb_step = -1
+        self._wandb_state: Path | None = None
         self._failing: set[str] = set()
         if not enabled:
             return
@@ -36,12 +39,27 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir))
+        recipe = recipe_dict(cfg)
+        if self._tb is not None:
+            self._safely("TensorBoard", lambda: write_hparams(self._tb, recipe))
         if cfg.logging.wandb_mode != "disabled":
             import wandb
 
+            # One W&B run across requeues: its id lives with the checkpoints (with the last
+            # step it received), and a resumed run continues it. Without checkpoints nothing
+            # resumes: every start is a run of its own.
+            self._wandb_state = Path(cfg.checkpoint.dir) / WANDB_STATE if cfg.checkpoint.dir else None
+            state = read_wandb_state(self._wandb_state) if self._wandb_state else {}
+            run_id = state.get("id") or new_wandb_id()
+            self._wandb_floor = int(state.get("step", -1))
             self._wandb = wandb.init(
                 project=cfg.logging.wandb_project, name=cfg.logging.run_name or run_dir.name,
-                dir=str(run_dir), mode=cfg.logging.wandb_mode, config=config_dict)
+                dir=str(run_dir), mode=cfg.logging.wandb_mode, id=run_id, resume="allow",
+                tags=list(cfg.logging.wandb_tags) or None, group=cfg.logging.wandb_group,
+                config={**recipe, "runtime": config_dict})
+            self._wandb_step = self._wandb_floor
+            if self._wandb_state is not None:
+                self._safely(str(self._wandb_state), lambda: self._save_wandb_state(run_id))
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (must hold ``step``) to every sink."""
@@ -54,8 +72,7 @@ class MetricsLogger:
                    if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
             self._safely("TensorBoard", lambda: [self._tb.add_scalar(k, v, step) for k, v in scalars.items()])
-        if self._wandb is not None:
-            self._safely("W&B", lambda: self._wandb.log(scalars, step=step))
+        self._to_wandb(scalars, step)
 
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         assert self._jsonl is not None
@@ -86,8 +103,25 @@ class MetricsLogger:
         self._write_jsonl(record)
         if self._tb is not None:
             self._safely("TensorBoard", lambda: self._tb.add_text(f"events/{kind}", message, step))
-        if self._wandb is not None:
-            self._safely("W&B", lambda: self._wandb.log({f"events/{kind}": 1}, step=step))
+        self._to_wandb({f"events/{kind}": 1}, step)
+
+    def _to_wandb(self, scalars: dict[str, Any], step: int) -> None:
+        """Steps up to the last one a finished W&B run of this checkpoint directory holds are not
+        sent again (W&B keeps a step's first value; a resume recomputes them bit for bit anyway).
+        A stop on a signal or the time limit saves at its last step, so nothing is sent twice;
+        after a crash (SIGKILL, a lost node) the steps since the resumed checkpoint are sent
+        again, as W&B's own records of them died with its process."""
+        if self._wandb is None or step <= self._wandb_floor:
+            return
+        self._safely("W&B", lambda: self._wandb.log(scalars, step=step))
+        self._wandb_step = max(self._wandb_step, step)
+
+    def _save_wandb_state(self, run_id: str) -> None:
+        assert self._wandb_state is not None
+        tmp = self._wandb_state.with_suffix(".tmp")
+        self._wandb_state.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"id": run_id, "step": self._wandb_step}))
+        os.replace(tmp, self._wandb_state)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self._tb is not None:
@@ -99,7 +133,56 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._safely("W&B", self._wandb.finish)
+            if self._wandb_state is not None:  # only now is every step surely W&B's
+                self._safely(str(self._wandb_state), lambda: self._save_wandb_state(self._wandb.id))
+
+
+WANDB_STATE = "wandb_run.json"
+"""In ``checkpoint.dir`` (else the run directory): the W&B run id and the last step it received."""
+
+
+def new_wandb_id() -> str:
+    """Eight lowercase letters and digits, as W&B makes its run ids."""
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def read_wandb_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def recipe_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved recipe as plain nested data (W&B's config)."""
+    import dataclasses
+
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def write_hparams(writer, recipe: dict[str, Any]) -> None:
+    """The recipe as TensorBoard hyperparameters (its HPARAMS tab), in the run's own event file."""
+    from torch.utils.tensorboard.summary import hparams
+
+    values = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+              for k, v in flat(recipe).items()}
+    for summary in hparams(values, {}):
+        writer.file_writer.add_summary(summary)
 
 
 def console_line(r: dict[str, Any], total_iters: int) -> str:
