@@ -409,6 +409,18 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)
+    """``[start, end]``: record steps start to end (inclusive, counted from 1) with
+    torch.profiler and write the trace when step ``end`` is done. Empty: no profiling."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that record (each writes its own trace)."""
+    dir: Optional[str] = None
+    """Where the traces go (``rank{R}.*.pt.trace.json``: Chrome/Perfetto trace and TensorBoard's
+    profiler plugin); null: ``logging.dir/profile``."""
+
+
+@dataclass(frozen=True)
 class Config:
     base: Optional[str] = None
     """Recipe this one extends (a path relative to this recipe's file); its keys are overridden."""
@@ -432,6 +444,8 @@ class Config:
     """Loss-spike and non-finite step detection, provenance and policies."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Run directory and loggers."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces of chosen steps on chosen ranks (CPU, CUDA, HPU)."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys, deep-merged over the generated config. A key the recipe
     already states elsewhere (batch sizes, gradient_clipping, zero_optimization.stage, bf16/fp16

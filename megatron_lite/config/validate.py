@@ -126,6 +126,11 @@ def validate(cfg: Config) -> list[str]:
         value = getattr(cfg.checkpoint, key)
         need(value >= 0, f"'checkpoint.{key}' = {value} must be 0 or more")
     problems.extend(_spike_problems(cfg))
+    steps = list(cfg.profile.steps)
+    need(not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+         f"'profile.steps' = {steps} must be empty or [start, end] with 1 <= start <= end")
+    ranks = list(cfg.profile.ranks)
+    need(all(r >= 0 for r in ranks), f"'profile.ranks' = {ranks} must be ranks (0 or more)")
     return problems
 
 

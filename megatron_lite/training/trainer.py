@@ -32,6 +32,7 @@ from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
 from megatron_lite.training.build import Components
 from megatron_lite.training.control import RunControl
 from megatron_lite.training.evaluator import Evaluator
+from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.saving import Saves
 
 
@@ -72,6 +73,7 @@ class Trainer:
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.steps.gate(self.spikes.judge)
         self.control = RunControl(cfg, dims)
+        self.profiler = StepProfiler(cfg, dims.rank, devmod.device_name(parts.acc), log)
         self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
         self.saves = (Saves(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
                             self.control.saved) if checkpointer is not None else None)
@@ -143,8 +145,10 @@ class Trainer:
             lr = engine.optimizer.param_groups[0]["lr"]
             after = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
             ctx = StepContext(st.step + 1, st.consumed_samples, lr, self.global_batch, after)
+            self.profiler.before(st.step + 1)
             step_loss, action = self.spikes.track(ctx, functools.partial(self.train_step, batches))
             st.step, st.consumed_samples = st.step + 1, after
+            self.profiler.after(st.step)
             if action == "stop":
                 raise SpikeStop(f"{self.cfg.spikes.max_consecutive_nonfinite} non-finite steps in a row "
                                 f"(spikes.max_consecutive_nonfinite) at step {st.step}; see "
@@ -186,6 +190,7 @@ class Trainer:
                 break
             if logs:
                 interval_start = time.perf_counter()  # evaluation and saving are not step time
+        self.profiler.close()
         if self.saves is not None:
             self.saves.finish()
         result.steps = st.step
