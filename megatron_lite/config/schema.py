@@ -402,6 +402,9 @@ class LoggingConfig:
     """Weights & Biases project name."""
     run_name: Optional[str] = None
     """Run name for W&B; null uses the run directory's name."""
+    all_ranks: bool = False
+    """Every rank prints its console lines, each prefixed with ``[rank R]`` (debugging a
+    layout); by default only rank 0 prints."""
     wandb_tags: list[str] = field(default_factory=list)
     """W&B tags of the run (filters in the W&B interface)."""
     wandb_group: Optional[str] = None

@@ -185,7 +185,17 @@ def write_hparams(writer, recipe: dict[str, Any]) -> None:
         writer.file_writer.add_summary(summary)
 
 
-def console_line(r: dict[str, Any], total_iters: int) -> str:
+def duration(seconds: float) -> str:
+    """``1h02m``, ``4m05s``, ``12s``."""
+    seconds = max(int(round(seconds)), 0)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def console_line(r: dict[str, Any], total_iters: int, time_left: float | None = None) -> str:
+    """One line per log interval; it ends with the ETA of the run at the interval's step time
+    and, when the run has a time limit (``time_left`` seconds), the time to it."""
     parts = [f"step {r['step']:>6}/{total_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
     if r.get("grad_norm") is not None:
         parts.append(f"gnorm {r['grad_norm']:.3f}")
@@ -195,4 +205,8 @@ def console_line(r: dict[str, Any], total_iters: int) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")
+    eta = f"ETA {duration((total_iters - r['step']) * r['step_time_ms'] / 1000)}"
+    if time_left is not None:
+        eta += f" (time limit in {duration(time_left)})"
+    parts.append(eta)
     return " | ".join(parts)

@@ -63,6 +63,11 @@ class RunControl:
     def _on_signal(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
+    def time_left(self) -> float | None:
+        """Seconds to ``training.exit_duration_mins``, or None without a time limit."""
+        limit = self.cfg.training.exit_duration_mins
+        return None if limit is None else 60 * limit - (time.monotonic() - self.start)
+
     def saved(self) -> None:
         self.last_save = time.monotonic()
 

@@ -86,7 +86,9 @@ def run(cfg: Config, env: LaunchEnv | None = None,
 
 def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     def log(msg: str) -> None:
-        if dims.is_main:
+        if cfg.logging.all_ranks:
+            print("\n".join(f"[rank {dims.rank}] {line}" for line in msg.split("\n")), flush=True)
+        elif dims.is_main:
             print(msg, flush=True)
 
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work

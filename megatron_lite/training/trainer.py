@@ -170,7 +170,7 @@ class Trainer:
                 record["skipped_steps"] = interval_steps - loss_steps
                 result.history.append(record)
                 self.logger.log(record)
-                self.log(console_line(record, self.total_iters))
+                self.log(console_line(record, self.total_iters, self.control.time_left()))
                 if self.on_record is not None:
                     self.on_record(record)
                 if self.saves is not None:

@@ -16,8 +16,12 @@ def test_two_process_data_parallel_matches_single_process(tmp_path):
     # One process accumulates 2 micro-batches; two processes take one each, read by a
     # data-loader worker process (which must not change the batches either).
     check(run_pretrain([*common, f"logging.dir={tmp_path}/one"]))
-    proc = check(run_pretrain([*common, f"logging.dir={tmp_path}/two", "data.num_workers=1"], nproc=2))
-    assert "world 2 (dp 2, tp 1" in proc.stdout
+    proc = check(run_pretrain([*common, f"logging.dir={tmp_path}/two", "data.num_workers=1",
+                               "logging.all_ranks=true"], nproc=2))
+    # logging.all_ranks: both ranks print, each line marked with its rank.
+    assert "[rank 0] model: " in proc.stdout and "[rank 1] model: " in proc.stdout
+    for rank in (0, 1):
+        assert sum(line.startswith(f"[rank {rank}] step ") for line in proc.stdout.splitlines()) == 5
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=0, atol=1e-5)

@@ -88,3 +88,15 @@ def test_schedules_that_differ_only_in_the_past_give_the_same_rates_from_here():
     a = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_style="linear", decay_end=8)
     b = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_style="cosine", decay_end=8)
     assert not a.same_rates_from(b, 3) and a.same_rates_from(b, 8)
+
+
+def test_the_console_line_ends_with_the_eta_and_the_time_to_the_limit():
+    from megatron_lite.logging.metrics import console_line, duration
+
+    record = {"step": 100, "loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "step_time_ms": 250.0,
+              "tokens_per_sec": 1.0, "tokens_per_sec_per_device": 1.0, "tflops_per_device": 0.0,
+              "mfu": None, "memory_gib": 1.0}
+    # 900 steps left at 0.25 s: 225 s.
+    assert console_line(record, 1000).endswith(" | ETA 3m45s")
+    assert console_line(record, 1000, time_left=4000.4).endswith(" | ETA 3m45s (time limit in 1h06m)")
+    assert [duration(s) for s in (0, 59.6, 61, 3600, -5)] == ["0s", "1m00s", "1m01s", "1h00m", "0s"]
