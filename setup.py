@@ -22,13 +22,14 @@ setup(
         "wandb>=0.17",
         "tensorboard>=2.15",
     ],
-    # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot
+    # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot and
+    # tools/plot_run.py, plotext its --terminal plots (5.x: 6 changed the whole API)
     # (optional for users, tested here); mpich: an mpiexec (MPICH's Hydra) for running
     # launch/polaris.sh on a workstation and in the tests. ray: launch/ray_train.py (Ray Train 2;
     # "default" brings the dashboard, whose state API Ray Train's controller queries) and
     # Hugging Face datasets as preprocessing input.
-    extras_require={"report": ["matplotlib>=3.7"],
+    extras_require={"report": ["matplotlib>=3.7", "plotext>=5.2,<6"],
                     "ray": RAY,
-                    "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7",
+                    "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7", "plotext>=5.2,<6",
                              "mpich>=4; sys_platform == 'linux'", *RAY]},
 )
