@@ -46,6 +46,8 @@ from megatron_lite.distributed.parallel_dims import (  # noqa: E402
     GROUP_AXES,
     ParallelDims,
     TopologyError,
+    abandon_distributed,
+    shutdown_distributed,
 )
 
 # Environment that decides how the ranks find each other and which network the collectives use.
@@ -257,10 +259,13 @@ def main(argv: list[str]) -> int:
         if dims.is_main:
             report(dims, infos, [r for per_rank in results for r in per_rank])
             print(f"\ncheck_dist: OK ({dims.world_size} ranks, {len(dims.groups)} groups per rank)")
-        collectives.barrier(dims, "the end of the check")
+        # Every rank waits for the others, then the groups are torn down in order: left to
+        # interpreter exit, gloo's threads can abort a rank after "OK" (seen under load).
+        shutdown_distributed(dims)
     except (CheckFailed, CollectiveError, TopologyError, ValueError) as e:
         print(f"check_dist: FAILED on rank {env.rank} ({socket.gethostname()}): {e}", file=sys.stderr,
               flush=True)
+        abandon_distributed()
         return 1
     return 0
 
