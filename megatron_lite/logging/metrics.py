@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lite.config.schema import Config
+from megatron_lite.logging.console import emit_line
 
 
 class MetricsLogger:
@@ -89,8 +90,8 @@ class MetricsLogger:
         except Exception as e:
             if sink not in self._failing:
                 self._failing.add(sink)
-                print(f"warning: writing {sink} failed ({type(e).__name__}: {e}); training goes on, "
-                      "records are dropped until it works again", file=sys.stderr, flush=True)
+                emit_line(f"warning: writing {sink} failed ({type(e).__name__}: {e}); training goes on, "
+                          "records are dropped until it works again", sys.stderr)
         else:
             self._failing.discard(sink)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_lite.config import Config
 from megatron_lite.distributed.launcher_env import LaunchEnv
+from megatron_lite.logging.console import emit_line
 
 
 def report_once(error: Exception | str, env: LaunchEnv | None = None) -> None:
@@ -16,7 +17,7 @@ def report_once(error: Exception | str, env: LaunchEnv | None = None) -> None:
     from megatron_lite.distributed import detect
 
     if (env or detect()).rank == 0:
-        print(f"error: {error}", file=sys.stderr)
+        emit_line(f"error: {error}", sys.stderr)
 
 
 def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
@@ -28,7 +29,7 @@ def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
     status, reason, every_rank = train_outcome(cfg, env, on_record)
     if reason is not None:
         if every_rank:
-            print(f"error: {reason}", file=sys.stderr)
+            emit_line(f"error: {reason}", sys.stderr)
         else:
             report_once(reason, env)
     return status

@@ -31,6 +31,8 @@ import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from megatron_lite.logging.console import emit_line
+
 RAY_VERSIONS = ">=2.60,<3"
 """Ray Train 2's API (``ray.train.collective``, ``UserCallback``, the controller that restarts
 worker groups), as tested; setup.py's ``ray`` extra."""
@@ -153,7 +155,7 @@ def worker_loop(spec_dict: dict[str, Any]) -> None:
     finally:
         reporter.close(timeout=60.0 if status == 0 else 0.0)
     if status != 0:
-        print(f"error: {reason}", file=sys.stderr, flush=True)
+        emit_line(f"error: {reason}", sys.stderr)
         # Ray hands the exception to the launcher, which prints the first rank's reason.
         raise WorkerFailed(f"rank {rank}: exit status {status}: error: {reason}")
 
@@ -184,8 +186,8 @@ class RayReporter:
                 ray.train.report(metrics)
             except Exception as e:  # Ray's side (a worker lost meanwhile): training goes on
                 self.failed = f"{type(e).__name__}: {e}"
-                print(f"warning: reporting metrics to Ray failed ({self.failed}); metrics.jsonl "
-                      "keeps every record", file=sys.stderr, flush=True)
+                emit_line(f"warning: reporting metrics to Ray failed ({self.failed}); metrics.jsonl "
+                          "keeps every record", sys.stderr)
                 return
 
     def close(self, timeout: float = 60.0) -> None:

@@ -20,6 +20,7 @@ from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_the
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.parallel_dims import abandon_distributed, shutdown_distributed
 from megatron_lite.logging import MetricsLogger
+from megatron_lite.logging.console import emit_line
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.parallel.deepspeed_versions import limitations as deepspeed_limitations
 from megatron_lite.training.build import build
@@ -87,9 +88,10 @@ def run(cfg: Config, env: LaunchEnv | None = None,
 def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     def log(msg: str) -> None:
         if cfg.logging.all_ranks:
-            print("\n".join(f"[rank {dims.rank}] {line}" for line in msg.split("\n")), flush=True)
+            for line in msg.split("\n"):
+                emit_line(f"[rank {dims.rank}] {line}")
         elif dims.is_main:
-            print(msg, flush=True)
+            emit_line(msg)
 
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
     setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)

@@ -100,3 +100,25 @@ def test_the_console_line_ends_with_the_eta_and_the_time_to_the_limit():
     assert console_line(record, 1000).endswith(" | ETA 3m45s")
     assert console_line(record, 1000, time_left=4000.4).endswith(" | ETA 3m45s (time limit in 1h06m)")
     assert [duration(s) for s in (0, 59.6, 61, 3600, -5)] == ["0s", "1m00s", "1m01s", "1h00m", "0s"]
+
+
+def test_a_console_line_reaches_the_shared_pipe_in_one_write():
+    """Ranks share one stdout pipe and batch jobs often run unbuffered (PYTHONUNBUFFERED=1):
+    a line written as text and newline separately lets another rank's line in between."""
+    import io
+
+    from megatron_lite.logging.console import emit_line
+
+    class Unbuffered(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+            return super().write(s)
+
+    out = Unbuffered()
+    emit_line("[rank 1] step      1/5 | loss 4.1960", out)
+    emit_line("error: the reason", out)
+    assert out.writes == ["[rank 1] step      1/5 | loss 4.1960\n", "error: the reason\n"]
