@@ -137,4 +137,6 @@ def _plan(cfg, values: dict, suggest: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_lite.training.entry import exit_process
+
+    exit_process(main(sys.argv[1:]))
