@@ -18,6 +18,8 @@ function right after its module is imported:
 - ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
 - ``FAULT_KILL_TOKENIZER_ON=TEXT``: a preprocessing worker process SIGKILLs itself when its batch
   holds TEXT (the out-of-memory killer on a huge line).
+- ``FAULT_SLOW_DATA=START:END:SECONDS[:RANK]``: reading each of training samples START..END-1
+  takes SECONDS longer on RANK (every rank without it): a slow filesystem or data loader.
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
 """
@@ -99,6 +101,41 @@ def _bad_samples(run) -> None:
         return data
 
     run.build_data = noisy_build_data
+
+
+def _slow_data(run) -> None:
+    start, end, seconds, *rank = os.environ["FAULT_SLOW_DATA"].split(":")
+    start, end, seconds = int(start), int(end), float(seconds)
+    if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
+        return
+
+    class SlowSamples:
+        def __init__(self, dataset):
+            self.dataset = dataset
+
+        def __len__(self) -> int:
+            return len(self.dataset)
+
+        def __getitem__(self, i: int):
+            if start <= i < end:
+                time.sleep(seconds)
+            return self.dataset[i]
+
+        def __getattr__(self, name):  # locate() and the rest of the dataset's interface
+            if name == "dataset":  # not set yet (unpickling in a loader worker)
+                raise AttributeError(name)
+            return getattr(self.dataset, name)
+
+    build_data = run.build_data
+
+    @functools.wraps(build_data)
+    def slow_build_data(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        if data is not None and getattr(data, "train", None) is not None:
+            data.train = SlowSamples(data.train)
+        return data
+
+    run.build_data = slow_build_data
 
 
 def _nan_loss(trainer_module) -> None:
@@ -237,6 +274,7 @@ def _spikes_enospc(tracker) -> None:
 
 FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
+    "FAULT_SLOW_DATA": ("megatron_lite.training.run", _slow_data),
     "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),

@@ -59,9 +59,22 @@ def series(run: dict, key: str) -> tuple[list[int], list[float]]:
     return steps, [run["train"][s][key] for s in steps]
 
 
+INTERVAL_TIMES = ("eval_ms", "checkpoint_ms")
+"""Times per log interval (evaluation, blocking saves); every other ``*_ms`` is per step."""
+
+
 def time_keys(runs: list[dict]) -> list[str]:
     keys = {k for run in runs for r in run["train"].values() for k in r if k.endswith("_ms")}
     return sorted(keys)
+
+
+def time_panels(runs: list[dict]) -> list[tuple[list[str], str]]:
+    """(keys, y label) of the time panels present: per step (step time and its phases), and
+    per log interval (evaluation and checkpoint time)."""
+    keys = time_keys(runs)
+    panels = [([k for k in keys if k not in INTERVAL_TIMES], "ms per step"),
+              ([k for k in keys if k in INTERVAL_TIMES], "ms per log interval")]
+    return [(ks, label) for ks, label in panels if ks]
 
 
 def plot_png(runs: list[dict], output: Path) -> None:
@@ -74,8 +87,8 @@ def plot_png(runs: list[dict], output: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(k, t) for k, t in PANELS if any(series(run, k)[0] for run in runs)]
-    times = time_keys(runs)
-    rows = len(panels) + (1 if times else 0)
+    times = time_panels(runs)
+    rows = len(panels) + len(times)
     fig, axes = plt.subplots(rows, 1, figsize=(10, 2.6 * rows), sharex=True, squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (key, title) in enumerate(panels):
@@ -90,15 +103,19 @@ def plot_png(runs: list[dict], output: Path) -> None:
         ax.set_ylabel(title)
         if key in ("loss", "grad_norm"):
             ax.set_yscale("log")
-    if times:
-        ax = axes[-1][0]
-        styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-."]
+    for row, (keys, label) in enumerate(times, start=len(panels)):
+        ax = axes[row][0]
         for j, run in enumerate(runs):
-            for k, key in enumerate(times):
+            for k, key in enumerate(keys):
                 steps, values = series(run, key)
-                ax.plot(steps, values, styles[k % len(styles)], color=colours[j % len(colours)],
-                        label=f"{run['name']} {key}", linewidth=1)
-        ax.set_ylabel("ms per step")
+                # One run: a colour per time. Several: a colour per run, a line style per time.
+                colour = colours[(k if len(runs) == 1 else j) % len(colours)]
+                style = "-" if len(runs) == 1 else styles[k % len(styles)]
+                name = key.removesuffix("_ms")
+                name = name if len(runs) == 1 else f"{run['name']} {name}"
+                ax.plot(steps, values, style, color=colour, label=name, linewidth=1)
+        ax.set_ylabel(label)
     for row in axes:
         ax = row[0]
         for run in runs:

@@ -309,6 +309,10 @@ class TrainingConfig:
     exit_duration_mins: Optional[float] = None
     """Save a checkpoint and exit 0 once the run has been going this many minutes (set it a few
     minutes under the job's walltime); null: no limit."""
+    throughput_warmup_steps: int = 2
+    """The first steps of each start of the process (compilation, allocator and optimizer-state
+    warm-up) that tokens/s, samples/s, TFLOP/s and MFU leave out; a record whose steps are all
+    warm-up has them null. Step times include them."""
 
 
 @dataclass(frozen=True)
@@ -424,6 +428,28 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    slowdown_factor: float = 1.5
+    """A log interval whose time per step is this many times the rolling median of the previous
+    intervals is a ``slowdown`` event naming the phase (data, forward, backward, optimizer) that
+    grew most; 0 turns it off."""
+    window: int = 20
+    """Log intervals in the rolling median (warm-up intervals and slowdowns are left out)."""
+    min_history: int = 5
+    """Intervals the median needs before the first slowdown can be named."""
+    straggler_interval: int = 100
+    """Every this many steps (at the first log step at or after each multiple) every rank's
+    local time per step (data wait plus forward, the work before the first gradient exchange)
+    is gathered over the control group; 0 turns it off."""
+    straggler_factor: float = 1.3
+    """A rank whose local time per step is this many times the median of the other ranks' is a
+    ``straggler`` event naming its rank and host."""
+    min_excess: float = 0.05
+    """Neither event fires for an excess below this fraction of the median step time (timer
+    noise on fast steps)."""
+
+
+@dataclass(frozen=True)
 class Config:
     base: Optional[str] = None
     """Recipe this one extends (a path relative to this recipe's file); its keys are overridden."""
@@ -449,6 +475,8 @@ class Config:
     """Run directory and loggers."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps on chosen ranks (CPU, CUDA, HPU)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Slowdown and straggler detection from the phase timings of training records."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys, deep-merged over the generated config. A key the recipe
     already states elsewhere (batch sizes, gradient_clipping, zero_optimization.stage, bf16/fp16

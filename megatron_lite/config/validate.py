@@ -131,6 +131,19 @@ def validate(cfg: Config) -> list[str]:
          f"'profile.steps' = {steps} must be empty or [start, end] with 1 <= start <= end")
     ranks = list(cfg.profile.ranks)
     need(all(r >= 0 for r in ranks), f"'profile.ranks' = {ranks} must be ranks (0 or more)")
+    need(cfg.training.throughput_warmup_steps >= 0,
+         f"'training.throughput_warmup_steps' = {cfg.training.throughput_warmup_steps} must be 0 or more")
+    m = cfg.monitor
+    need(m.slowdown_factor == 0 or m.slowdown_factor > 1,
+         f"'monitor.slowdown_factor' = {m.slowdown_factor} must be 0 (off) or above 1")
+    need(m.straggler_factor > 1, f"'monitor.straggler_factor' = {m.straggler_factor} must be above 1")
+    for key in ("window", "min_history"):
+        need(getattr(m, key) >= 1, f"'monitor.{key}' = {getattr(m, key)} must be 1 or more")
+    need(m.min_history <= m.window,
+         f"'monitor.min_history' = {m.min_history} must not exceed 'monitor.window' = {m.window}")
+    need(m.straggler_interval >= 0,
+         f"'monitor.straggler_interval' = {m.straggler_interval} must be 0 (off) or more")
+    need(m.min_excess >= 0, f"'monitor.min_excess' = {m.min_excess} must be 0 or more")
     return problems
 
 

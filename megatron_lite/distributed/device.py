@@ -225,6 +225,29 @@ def communication_backend(acc) -> str:
     return "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
 
 
+def host_rss_gib() -> float:
+    """This process's resident host memory now (Linux's ``/proc/self/statm``); elsewhere its
+    peak (``getrusage``), the nearest portable figure."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def device_memory_gib(acc) -> dict[str, float]:
+    """Accelerator memory of this rank (empty on CPU, whose only memory is the host's):
+    allocated and reserved now, and the peak allocated since the previous call (the peak
+    counter is reset: a record's peak is its own interval's)."""
+    if acc.device_name() == "cpu":
+        return {}
+    stats = {"memory_allocated_gib": acc.memory_allocated() / 2**30,
+             "memory_reserved_gib": acc.memory_reserved() / 2**30,
+             "memory_peak_gib": acc.max_memory_allocated() / 2**30}
+    acc.reset_peak_memory_stats()
+    return stats
+
+
 def memory_gib(acc) -> float:
     """Peak memory of this rank: device memory on accelerators, process RSS on CPU."""
     if acc.device_name() == "cpu":

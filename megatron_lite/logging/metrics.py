@@ -194,15 +194,23 @@ def duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+PHASE_NAMES = (("data", "data"), ("forward", "fwd"), ("backward", "bwd"), ("optimizer", "opt"))
+"""A step's phases (training/timing.py) and their short names on the console."""
+
+
 def console_line(r: dict[str, Any], total_iters: int, time_left: float | None = None) -> str:
     """One line per log interval; it ends with the ETA of the run at the interval's step time
     and, when the run has a time limit (``time_left`` seconds), the time to it."""
     parts = [f"step {r['step']:>6}/{total_iters}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
     if r.get("grad_norm") is not None:
         parts.append(f"gnorm {r['grad_norm']:.3f}")
-    parts += [f"{r['step_time_ms']:.1f} ms/step", f"{r['tokens_per_sec']:,.0f} tok/s",
-              f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",
-              f"{r['tflops_per_device']:.2f} TFLOP/s/dev"]
+    phases = " ".join(f"{short} {r[f'{phase}_ms']:.1f}" for phase, short in PHASE_NAMES if f"{phase}_ms" in r)
+    parts.append(f"{r['step_time_ms']:.1f} ms/step" + (f" ({phases})" if phases else ""))
+    if r.get("tokens_per_sec") is None:
+        parts.append("throughput: warm-up")
+    else:
+        parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['tokens_per_sec_per_device']:,.0f} tok/s/dev",
+                  f"{r['tflops_per_device']:.2f} TFLOP/s/dev"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"mem {r['memory_gib']:.2f} GiB")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ class Evaluator:
         interval = self.cfg.training.eval_interval
         if not ((interval and step % interval == 0) or last):
             return None
+        start = time.perf_counter()
         val = self.loss()
         try:
             text = self.sample()
@@ -37,7 +39,7 @@ class Evaluator:
             self.log(f"warning: sampling at step {step} failed ({type(e).__name__}: {first_line(e)}); "
                      "training goes on")
         record = {"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)),
-                  "consumed_samples": consumed_samples}
+                  "consumed_samples": consumed_samples, "eval_ms": 1000.0 * (time.perf_counter() - start)}
         self.logger.log(record)
         self.log(f"eval step {step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}")
         if text is not None:

@@ -28,6 +28,7 @@ from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.training.engine import trainer_clips_gradients
+from megatron_lite.training.timing import NoClock
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims,
@@ -68,6 +69,8 @@ class StepRunner:
         self.applied = True  # whether the last step's update was applied
         self._armed = False
         self._loss_sum: torch.Tensor | None = None
+        # Phase timings of training steps (training/timing.py); the trainer sets a real one.
+        self.clock = NoClock()
 
     # ---------------------------------------------------------------- gate
     def gate(self, judge: Judge) -> None:
@@ -138,13 +141,26 @@ class StepRunner:
         for batch in batches:
             yield self.split(batch.to(device, non_blocking=True))
 
+    def _timed_pairs(self, batches: Iterator[torch.Tensor],
+                     device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The pipeline engine pulls micro-batches inside its schedule: time each pull as data."""
+        pairs = self._pairs(batches, device)
+        while True:
+            self.clock.mark("data")
+            pair = next(pairs, None)
+            self.clock.mark(None)
+            if pair is None:
+                return
+            yield pair
+
     def train_step(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
         """One optimizer step over ``grad_accum`` micro-batches; returns the sum of the
-        micro-batch losses as a device tensor."""
-        engine = self.engine
+        micro-batch losses as a device tensor. ``clock`` gets the step's phases (under pipeline
+        parallelism, whose schedule interleaves them, only the data wait)."""
+        engine, clock = self.engine, self.clock
         self._armed, self.applied = self.judge is not None, True
         if self.pipelined:
-            loss = engine.train_batch(data_iter=self._pairs(batches, device))
+            loss = engine.train_batch(data_iter=self._timed_pairs(batches, device))
             self.grad_norm = engine.get_global_grad_norm()
             if self.judge is not None:
                 self._after_step()
@@ -152,11 +168,15 @@ class StepRunner:
         loss_sum = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)
         for micro in range(self.grad_accum):
+            clock.mark("data")
             inputs, targets = next(pairs)
+            clock.mark("forward")
             loss = engine(inputs, targets)
+            clock.mark("backward")
             engine.backward(loss)
             self.graph_break()
             loss_sum += loss.detach().float()
+            clock.mark("optimizer")
             last = micro == self.grad_accum - 1
             if last and self.dims.hsdp_replicas > 1:
                 self._average_over_replicas()
@@ -171,6 +191,7 @@ class StepRunner:
             self.grad_norm = engine.get_global_grad_norm()
         if self.judge is not None:
             self._after_step()
+        clock.mark(None)
         return loss_sum
 
     def _average_over_replicas(self) -> None:

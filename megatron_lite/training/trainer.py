@@ -32,8 +32,14 @@ from megatron_lite.spikes import SpikeStop, SpikeTracker, StepContext
 from megatron_lite.training.build import Components
 from megatron_lite.training.control import RunControl
 from megatron_lite.training.evaluator import Evaluator
+from megatron_lite.training.monitor import SlowdownMonitor, StragglerCheck
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.saving import Saves
+from megatron_lite.training.timing import IntervalClock, PhaseClock, process_age_s
+
+THROUGHPUT_KEYS = ("tokens_per_sec", "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
+                   "mfu")
+"""Null in a record whose steps were all warm-up (``training.throughput_warmup_steps``)."""
 
 
 @dataclass
@@ -75,6 +81,13 @@ class Trainer:
         self.control = RunControl(cfg, dims)
         self.profiler = StepProfiler(cfg, dims.rank, devmod.device_name(parts.acc), log)
         self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
+        self.clock = PhaseClock(parts.acc)
+        self.steps.clock = self.clock
+        self.interval = IntervalClock(cfg.training.throughput_warmup_steps)
+        self.slowdowns = SlowdownMonitor(cfg.monitor)
+        self.stragglers = StragglerCheck(cfg, dims)
+        self.peak_memory_gib = 0.0
+        self.startup_s: float | None = None
         self.saves = (Saves(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
                             self.control.saved) if checkpointer is not None else None)
 
@@ -138,9 +151,12 @@ class Trainer:
         batches = self._train_batches()
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
-        # Steps and applied steps (whose losses are averaged) since the last log line.
-        interval_steps, loss_steps, interval_start = 0, 0, time.perf_counter()
+        loss_steps = 0  # applied steps (whose losses are averaged) since the last log line
         engine.train()
+        self.startup_s = process_age_s()
+        if self.startup_s is not None:
+            self.log(f"startup: {self.startup_s:.1f} s from the process's start to its first step")
+        self.interval.restart()
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
             after = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
@@ -156,9 +172,11 @@ class Trainer:
             if action == "rollback" and self.rollback():
                 batches = self._train_batches()
                 loss_sum.zero_()
-                interval_steps, loss_steps, interval_start = 0, 0, time.perf_counter()
+                loss_steps = 0
+                self.clock.read()
+                self.interval.restart()
                 continue
-            interval_steps += 1
+            self.interval.step_done()
             if self.steps.applied:
                 loss_sum += step_loss
                 loss_steps += 1
@@ -166,30 +184,34 @@ class Trainer:
             logs = st.step % t.log_interval == 0 or last
             if logs:
                 mean = loss_sum / (loss_steps * self.grad_accum) if loss_steps else loss_sum + math.nan
-                record = self._train_record(mean, lr, interval_steps, time.perf_counter() - interval_start)
-                record["skipped_steps"] = interval_steps - loss_steps
+                record = self._train_record(mean, lr)
+                record["skipped_steps"] = self.interval.all.steps - loss_steps
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters, self.control.time_left()))
+                self._watch(record)
                 if self.on_record is not None:
                     self.on_record(record)
                 if self.saves is not None:
                     self.saves.warn_if_old(st.step, st.consumed_samples)
                 loss_sum.zero_()
-                interval_steps = loss_steps = 0
+                loss_steps = 0
+                self.interval.restart()  # logging is not step time
+            started = time.perf_counter()
             evaluated = self.evaluator.maybe_run(st.step, st.consumed_samples, last)
+            self.interval.add("eval", time.perf_counter() - started)
             if evaluated is not None:
                 result.final_val_loss, result.sample_text = evaluated
             decision = self.control.decide()
             if self.saves is not None:
+                started = time.perf_counter()
                 self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)
+                self.interval.add("checkpoint", time.perf_counter() - started)
             if decision.stop is not None:
                 self.log(f"stopping at step {st.step}: {decision.stop}")
                 self.logger.event(st.step, "stop", decision.stop)
                 result.stopped = decision.stop
                 break
-            if logs:
-                interval_start = time.perf_counter()  # evaluation and saving are not step time
         self.profiler.close()
         if self.saves is not None:
             self.saves.finish()
@@ -243,19 +265,49 @@ class Trainer:
         self._restore(loaded)
         return True
 
-    def _train_record(self, mean_loss: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
+    def _train_record(self, mean_loss: torch.Tensor, lr: float) -> dict:
+        """The log interval's record. The loss read is the interval's one wait for the device;
+        the phase timings are read after it. Times are this rank's (rank 0's in the logs)."""
         loss = mean_over_ranks(mean_loss.item(), self.dims, "the logged loss")
+        now = time.perf_counter()
+        span, timed = self.interval.all, self.interval.timed
         gnorm = self.steps.grad_norm
-        tokens_per_sec = self.tokens_per_step * steps / max(seconds, 1e-9)
+        record = {"step": self.state.step, "loss": loss, "lr": lr,
+                  "grad_norm": float(gnorm) if gnorm is not None else None,
+                  "step_time_ms": 1000.0 * span.step_seconds(now) / span.steps}
+        for phase, ms in self.clock.read().items():
+            record[f"{phase}_ms"] = ms / span.steps
+        record.update(eval_ms=1000.0 * span.eval_s, checkpoint_ms=1000.0 * span.checkpoint_s)
+        record.update(self._throughput(timed.steps, timed.step_seconds(now)) if timed and timed.steps
+                      else dict.fromkeys(THROUGHPUT_KEYS))
+        acc = self.parts.acc
+        self.peak_memory_gib = max(self.peak_memory_gib, devmod.memory_gib(acc))
+        record.update(memory_gib=self.peak_memory_gib, **devmod.device_memory_gib(acc),
+                      host_rss_gib=devmod.host_rss_gib())
+        if self.startup_s is not None:  # the process's first record
+            record["startup_s"], self.startup_s = self.startup_s, None
+        record.update(consumed_samples=self.state.consumed_samples,
+                      consumed_tokens=self.state.consumed_samples * self.cfg.data.seq_length)
+        return record
+
+    def _throughput(self, steps: int, seconds: float) -> dict:
+        seconds = max(seconds, 1e-9)
+        tokens_per_sec = self.tokens_per_step * steps / seconds
         per_device = tokens_per_sec / self.dims.world_size
-        tflops = per_device * self.parts.flops_per_token / 1e12
-        return {
-            "step": self.state.step, "loss": loss, "lr": lr,
-            "grad_norm": float(gnorm) if gnorm is not None else None,
-            "step_time_ms": 1000.0 * seconds / steps, "tokens_per_sec": tokens_per_sec,
-            "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops,
-            "mfu": mfu(per_device, self.parts.flops_per_token, self.peak),
-            "memory_gib": devmod.memory_gib(self.parts.acc),
-            "consumed_samples": self.state.consumed_samples,
-            "consumed_tokens": self.state.consumed_samples * self.cfg.data.seq_length,
-        }
+        return {"tokens_per_sec": tokens_per_sec, "samples_per_sec": self.global_batch * steps / seconds,
+                "tokens_per_sec_per_device": per_device,
+                "tflops_per_device": per_device * self.parts.flops_per_token / 1e12,
+                "mfu": mfu(per_device, self.parts.flops_per_token, self.peak)}
+
+    def _watch(self, record: dict) -> None:
+        """Slowdown (rank 0's records) and, when due, straggler events (collective)."""
+        events = []
+        if self.dims.is_main:
+            slowdown = self.slowdowns.observe(record)
+            if slowdown is not None:
+                events.append(slowdown)
+        if self.stragglers.due(record["step"]):
+            events += self.stragglers.check(record["step"], record)
+        for kind, message, fields in events:
+            self.log(f"{kind} at step {record['step']}: {message}")
+            self.logger.event(record["step"], kind, message, **fields)

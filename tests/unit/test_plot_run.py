@@ -39,3 +39,13 @@ def test_two_runs_make_one_png_and_a_terminal_plot(tmp_path, capsys):
 def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
     assert plot_run.main([str(tmp_path)]) == 2
     assert "metrics.jsonl is missing or empty" in capsys.readouterr().err
+
+
+def test_step_times_and_interval_times_are_separate_panels(tmp_path):
+    path = _run(tmp_path / "a", [4.0, 3.0])
+    lines = [{"step": 1, "loss": 4.0, "step_time_ms": 50.0, "data_ms": 1.0, "forward_ms": 20.0,
+              "eval_ms": 0.0, "checkpoint_ms": 40.0}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert plot_run.time_panels([plot_run.load_run(path)]) == [
+        (["data_ms", "forward_ms", "step_time_ms"], "ms per step"),
+        (["checkpoint_ms", "eval_ms"], "ms per log interval")]
