@@ -1,20 +1,29 @@
 #!/usr/bin/env python
-"""Preprocessing speed: ours vs the per-document scheme of Megatron-LM's preprocess_data.py.
+"""Preprocessing speed against its limit: the tokenizer's own encode of the same documents.
 
-Megatron-LM's tool hands one JSON line at a time to the pool (``imap`` with chunks of 32 lines),
-each worker parses and tokenizes that one document and returns a Python list, and the main
-process writes each document's tokens separately. The baseline here re-implements that scheme
-(same tokenizer, same worker count) so both run in one invocation on the same generated corpus.
-Prints tokens/s and MiB/s of each and the ratio, for 1 and 2 workers.
+For sentencepiece (BPE trained here) and a Hugging Face fast tokenizer (GPT-2 style byte-level
+BPE files made here), at each worker count W, on one generated jsonl corpus:
 
-    python bench/preprocess_speed.py [--mb 64] [--workers 1 2]
+- ours: ``tools/preprocess_data.py``'s ``preprocess`` end to end (reading, JSON, tokenizing,
+  writing .bin/.idx) with ``--workers W``;
+- the limit: W processes, each given its share of the documents already parsed in memory,
+  encoding them with the tokenizer's native batch call (sentencepiece's ``encode`` of a list,
+  the ``tokenizers`` library's ``encode_batch``), threaded as ours is (one thread per process
+  when W > 1); the time from a common start to the last process's end. Nothing a tool does
+  besides tokenizing is in it, so ``limit / ours`` is at most about 1;
+- for sentencepiece also Megatron-LM's per-document scheme (``imap`` of one JSON line per task,
+  chunks of 32, one write per document), re-implemented with the same tokenizer.
+
+    python bench/preprocess_speed.py [--mb 64] [--workers 1 2] [--tokenizers sentencepiece huggingface]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
+import os
 import random
 import sys
 import tempfile
@@ -50,6 +59,64 @@ def make_corpus(path: Path, megabytes: int) -> None:
             size += len(line)
 
 
+# ---- the limit: the tokenizer's own batch encode, W processes ----
+
+def _native(tok):
+    """The tokenizer's own batch call, without our wrapper."""
+    if hasattr(tok, "sp"):
+        return lambda texts: tok.sp.encode(texts, num_threads=tok.num_threads)
+    backend = tok.tok.backend_tokenizer
+    return lambda texts: [e.ids for e in backend.encode_batch(texts)]
+
+
+def _limit_process(kind: str, model: str, corpus: str, rank: int, world: int, barrier, results) -> None:
+    if world > 1:  # as preprocess's workers: one tokenizer thread each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(kind, model)
+    if world > 1 and hasattr(tok, "num_threads"):
+        tok.num_threads = 1
+    with open(corpus) as f:
+        lines = f.readlines()
+    share = lines[len(lines) * rank // world:len(lines) * (rank + 1) // world]
+    texts = [json.loads(line)["text"] for line in share]
+    encode = _native(tok)
+    barrier.wait()
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(texts), 256):
+        tokens += sum(len(ids) for ids in encode(texts[i:i + 256]))
+    results.put((start, time.perf_counter(), tokens))
+
+
+def limit(kind: str, model: str, corpus: Path, workers: int) -> tuple[float, int]:
+    """(seconds from the common start to the last process's end, tokens without separators)."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_limit_process, args=(kind, model, str(corpus), r, workers, barrier, results))
+             for r in range(workers)]
+    for proc in procs:
+        proc.start()
+    got = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return max(end for _, end, _ in got) - min(start for start, _, _ in got), sum(n for _, _, n in got)
+
+
+def gpt2_style_tokenizer(sample: list[str], vocab: int, directory: Path) -> str:
+    """Byte-level BPE files (vocab.json, merges.txt) trained on ``sample``, as a transformers
+    GPT2TokenizerFast directory."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(sample, vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False)
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(directory))  # vocab.json and merges.txt, GPT-2's files
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(str(directory))
+    return str(directory)
+
+
 # ---- the baseline: one document per task, one write per document (Megatron-LM's scheme) ----
 _tok = None
 
@@ -78,38 +145,53 @@ def baseline(corpus: Path, prefix: Path, model: str, workers: int, vocab: int) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mb", type=int, default=64, help="corpus size in MiB (at least 50)")
+    p.add_argument("--mb", type=int, default=64, help="corpus size in MiB")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--tokenizers", nargs="+", default=["sentencepiece", "huggingface"],
+                   choices=["sentencepiece", "huggingface"])
+    p.add_argument("--no-baseline", action="store_true", help="skip the per-document baseline")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus = tmp / "corpus.jsonl"
         make_corpus(corpus, a.mb)
         mib = corpus.stat().st_size / 2**20
-        import sentencepiece as spm
-
         with corpus.open() as f:
-            sample = [json.loads(f.readline())["text"][:2000] for _ in range(3000)]
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample),
-            model_prefix=str(tmp / "sp"), vocab_size=a.vocab, model_type="bpe", byte_fallback=True,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=2)
-        model = str(tmp / "sp.model")
-        print(f"corpus: {mib:.1f} MiB jsonl, sentencepiece BPE vocab {a.vocab}")
-        for w in a.workers:
-            t = time.perf_counter()
-            s = preprocess([str(corpus)], str(tmp / f"ours{w}"), ["text"], "sentencepiece", model,
-                           append_eod=True, workers=w, log=lambda *_: None, show_progress=False)
-            ours_s = time.perf_counter() - t
-            ours_tokens = s.tokens["text"]
-            t = time.perf_counter()
-            base_tokens = baseline(corpus, tmp / f"base{w}", model, w, a.vocab)
-            base_s = time.perf_counter() - t
-            assert base_tokens == ours_tokens == IndexedDataset(tmp / f"ours{w}_text_document").n_tokens
-            print(f"workers {w}: ours {ours_tokens / ours_s:,.0f} tokens/s ({mib / ours_s:.1f} MiB/s) | "
-                  f"per-document baseline {base_tokens / base_s:,.0f} tokens/s ({mib / base_s:.1f} MiB/s) | "
-                  f"ratio {base_s / ours_s:.2f}")
+            sample = [json.loads(line)["text"][:2000] for line in itertools.islice(f, 3000)]
+        models = {}
+        if "sentencepiece" in a.tokenizers:
+            import sentencepiece as spm
+
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sample),
+                model_prefix=str(tmp / "sp"), vocab_size=a.vocab, model_type="bpe", byte_fallback=True,
+                unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=2)
+            models["sentencepiece"] = str(tmp / "sp.model")
+        if "huggingface" in a.tokenizers:
+            models["huggingface"] = gpt2_style_tokenizer(sample, a.vocab, tmp / "gpt2")
+        print(f"corpus: {mib:.1f} MiB jsonl, vocabularies of {a.vocab}, {os.cpu_count()} cores")
+        for kind, model in models.items():
+            for w in a.workers:
+                t = time.perf_counter()
+                s = preprocess([str(corpus)], str(tmp / f"ours{w}"), ["text"], kind, model,
+                               append_eod=True, workers=w, log=lambda *_: None, show_progress=False)
+                ours_s = time.perf_counter() - t
+                ours_tokens = s.tokens["text"]
+                assert ours_tokens == IndexedDataset(tmp / f"ours{w}_text_document").n_tokens
+                limit_s, limit_tokens = limit(kind, model, corpus, w)
+                assert limit_tokens + s.documents == ours_tokens  # ours adds one EOD per document
+                line = (f"{kind} workers {w}: ours {ours_tokens / ours_s:,.0f} tokens/s "
+                        f"({mib / ours_s:.1f} MiB/s) | tokenizer alone "
+                        f"{limit_tokens / limit_s:,.0f} tokens/s | limit ratio {limit_s / ours_s:.2f}")
+                if kind == "sentencepiece" and not a.no_baseline:
+                    t = time.perf_counter()
+                    base_tokens = baseline(corpus, tmp / f"base{w}", model, w, a.vocab)
+                    base_s = time.perf_counter() - t
+                    assert base_tokens == ours_tokens
+                    line += (f" | per-document baseline {base_tokens / base_s:,.0f} tokens/s, "
+                             f"ratio {base_s / ours_s:.2f}")
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ writes data/works_text_document.bin/.idx (Megatron's naming).
 
     python tools/preprocess_data.py --input hf:wikitext:wikitext-2-raw-v1 --split train ...
 reads a Hugging Face dataset (the datasets library: pip install -e .[ray]).
+
+    mpiexec -n 8 --ppn 1 python tools/preprocess_data.py --input 'data/shards/*.jsonl' ...
+splits the files across 8 ranks (nodes); each writes its part, and the last to finish writes
+the same dataset one process would (docs/data.md). --rank/--world-size name the part by hand.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
+from megatron_lite.distributed.launcher_env import detect  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
          "megatron-sentencepiece": "megatron-sentencepiece",
@@ -56,13 +61,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="any bad input (see docs/data.md) is an error naming the file and line; "
                         "no output is written")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--rank", type=int, default=None,
+                   help="this process's rank of --world-size (default: from mpiexec, torchrun, Slurm)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks that share the input (default: from the launcher; 1 without one)")
     args = p.parse_args(argv)
+    launched = detect()
+    rank = launched.rank if args.rank is None else args.rank
+    world = launched.world_size if args.world_size is None else args.world_size
     try:
         preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
                    args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,
                    text_split=args.text_split, strict=args.strict,
                    show_progress=False if args.no_progress else None, split=args.split,
-                   streaming=args.streaming)
+                   streaming=args.streaming, rank=rank, world=world)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

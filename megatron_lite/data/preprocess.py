@@ -29,13 +29,22 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from megatron_lite.data import hf_datasets
 from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
+from megatron_lite.data.preprocess_ranks import (
+    Piece,
+    commit_part,
+    merge_parts,
+    part_prefix,
+    piece_blocks,
+    rank_inputs,
+    signature,
+)
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
 
 BATCH_BYTES = 1 << 20
@@ -119,10 +128,15 @@ def _open_binary(path: Path):
     return (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw), raw
 
 
-def read_records(paths: Sequence[Path | str], keys: Sequence[str], text_split: str,
+def read_records(paths: Sequence[Path | str | Piece], keys: Sequence[str], text_split: str,
                  progress: Callable[[int], None], split: str = "train",
                  streaming: bool = False) -> Iterator[Record]:
     for path in paths:
+        if isinstance(path, Piece):  # this rank's lines of a jsonl file (preprocess_ranks.py)
+            where = f"{path.path}[from byte {path.start}]"
+            for block, line in piece_blocks(path, BATCH_BYTES, progress):
+                yield Record(where, "jsonl-block", block, line=line)
+            continue
         if isinstance(path, str):  # a Hugging Face dataset
             dataset = hf_datasets.load(path, split, streaming, PreprocessError)
             for where, values in hf_datasets.rows(path, dataset, keys, progress):
@@ -343,11 +357,12 @@ _worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype, re.Pattern
 
 
 def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str,
-                 single_threaded: bool) -> None:
+                 single_threaded: bool, tok: Tokenizer | None = None) -> None:
+    """Set up this process's encoder (``tok``: the caller's tokenizer, when it encodes itself)."""
     global _worker
     if single_threaded:  # one tokenizer thread per worker process: no oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(kind, model)
+    tok = tok if tok is not None else load_tokenizer(kind, model)
     if single_threaded and hasattr(tok, "num_threads"):
         tok.num_threads = 1
     specials = sorted(tok.special_texts, key=len, reverse=True)
@@ -401,20 +416,76 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                tokenizer_type: str, tokenizer_model: str, append_eod: bool = False,
                workers: int = 1, text_split: str = "file", strict: bool = False,
                log: Callable[[str], None] = print, show_progress: bool | None = None,
-               split: str = "train", streaming: bool = False) -> Summary:
+               split: str = "train", streaming: bool = False, rank: int = 0, world: int = 1) -> Summary:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key.
-    ``split`` and ``streaming`` apply to Hugging Face dataset inputs."""
+    ``split`` and ``streaming`` apply to Hugging Face dataset inputs. With ``world`` ranks, this
+    rank writes its part of the input and the last rank to finish writes the whole dataset
+    (``preprocess_ranks.py``); the summary is this rank's, or the whole one where it merged."""
     if text_split not in TEXT_SPLITS:
         raise PreprocessError(f"text split '{text_split}' is not one of {TEXT_SPLITS}")
+    if not 0 <= rank < world:
+        raise PreprocessError(f"rank {rank} is not in 0..{world - 1} (world size {world})")
     paths = expand_inputs(inputs)
     keys = tuple(json_keys)
+    if world > 1:
+        hub = [p for p in paths if isinstance(p, str)]
+        if hub:
+            raise PreprocessError(
+                f"{hub[0]} is a Hugging Face dataset: preprocessing on several ranks splits files; "
+                "run one rank for it, or save it as parquet/jsonl files and pass those")
+        options = {"keys": keys, "tokenizer": [tokenizer_type, str(Path(tokenizer_model).resolve())
+                                               if Path(tokenizer_model).exists() else tokenizer_model],
+                   "append_eod": append_eod, "text_split": text_split}
+        sig = signature(paths, world, options)
+        mine = rank_inputs(paths, rank, world)
+        summary = _preprocess(mine, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split,
+                              strict, show_progress, split, streaming,
+                              lambda key: part_prefix(output_prefix, key, rank, world))
+        commit_part(output_prefix, rank, world, sig, asdict(summary))
+        log(f"rank {rank} of {world}: {summary.documents:,} documents, "
+            f"{sum(summary.tokens.values()):,} tokens from {summary.input_bytes / 2**20:,.1f} MiB "
+            f"in {summary.seconds:.1f} s")
+        parts = merge_parts(output_prefix, keys, world, sig, log)
+        if parts is None:
+            log(f"rank {rank} of {world}: part written; the last rank to finish writes {output_prefix}_*")
+            return summary
+        whole = _sum_summaries([Summary(**p) for p in parts])
+        for line in format_summary(whole, output_prefix):
+            log(line)
+        return whole
+    summary = _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split,
+                          strict, show_progress, split, streaming,
+                          lambda key: f"{output_prefix}_{key}_document")
+    for line in format_summary(summary, output_prefix):
+        log(line)
+    return summary
+
+
+def _sum_summaries(parts: list[Summary]) -> Summary:
+    whole = Summary(separator_policy=parts[0].separator_policy, tokens=dict.fromkeys(parts[0].tokens, 0))
+    for part in parts:
+        whole.documents += part.documents
+        whole.input_bytes += part.input_bytes
+        whole.seconds = max(whole.seconds, part.seconds)
+        for key, n in part.tokens.items():
+            whole.tokens[key] += n
+        for problem, n in part.counts.items():
+            whole.counts[problem] = whole.counts.get(problem, 0) + n
+            locs = whole.first_locations.setdefault(problem, [])
+            locs.extend(part.first_locations.get(problem, [])[:3 - len(locs)])
+    return whole
+
+
+def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split, strict,
+                show_progress, split, streaming, prefix_of: Callable[[str], str]) -> Summary:
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
     policy = separator_policy(tokenizer, append_eod)
     dtype = token_dtype(tokenizer.vocab_size)
     summary = Summary(separator_policy=policy.description, tokens={k: 0 for k in keys})
-    total_bytes = sum(p.stat().st_size for p in paths if isinstance(p, Path))
+    total_bytes = sum(p.end - p.start if isinstance(p, Piece) else p.stat().st_size
+                      for p in paths if not isinstance(p, str))
     bar = _progress_bar(total_bytes, show_progress)
-    writers = {k: IndexedDatasetWriter(f"{output_prefix}_{k}_document", dtype) for k in keys}
+    writers = {k: IndexedDatasetWriter(prefix_of(k), dtype) for k in keys}
     init_args = (tokenizer_type, tokenizer_model, append_eod, keys, dtype.str, workers > 1)
     # concurrent.futures rather than multiprocessing.Pool: a worker killed mid-batch (the OOM
     # killer on a huge line) breaks the executor and every waiting result raises, where Pool
@@ -431,7 +502,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     try:
         batches = batch_records(read_records(paths, keys, text_split, advance, split, streaming))
         if pool is None:
-            _init_worker(*init_args)
+            _init_worker(*init_args, tok=tokenizer)  # loaded once (transformers: seconds)
             results = map(encode_batch, batches)
         else:
             results = _in_order(pool, batches, ahead=4 * workers)
@@ -455,7 +526,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
             w.abort()
         raise PreprocessError(
             f"a tokenizer worker process died (killed, most likely by the out-of-memory killer on a "
-            f"very large document); nothing was written to {output_prefix}_*. Rerun with fewer "
+            f"very large document); nothing was written to {prefix_of(keys[0])}. Rerun with fewer "
             "--workers or more memory per worker, or split the largest documents") from None
     except BaseException:
         for w in writers.values():
@@ -467,8 +538,6 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
         if bar is not None:
             bar.close()
     summary.seconds = time.time() - start
-    for line in format_summary(summary, output_prefix):
-        log(line)
     return summary
 
 
