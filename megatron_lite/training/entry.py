@@ -3,6 +3,7 @@ every launcher's path (``pretrain.py``, each Ray Train worker)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -28,8 +29,11 @@ def exit_process(status: int) -> NoReturn:
     hundreds of 2-process gloo runs, on a rank that had finished and passed the final barrier)
     a C++ object of the communication stack is destroyed during finalization with a thread still
     attached and the process aborts ("terminate called without an active exception", SIGABRT):
-    a finished run would end as a crash. Nothing is left for finalization to do: the metrics
-    sinks, checkpoints and logs are closed, and the console streams are flushed here."""
+    a finished run would end as a crash. What exit does besides finalization is done here: the
+    ``atexit`` handlers run (libraries' and the user's; CPython runs them the same way at exit),
+    logging is shut down and the console streams are flushed. The metrics sinks, checkpoints
+    and process groups were closed by the run itself."""
+    atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
