@@ -136,7 +136,10 @@ class IndexedDataset:
         if problem := _doc_idx_problem(self.doc_idx, n_seq):
             raise ValueError(f"'{prefix}.idx': its document boundaries are inconsistent ({problem}); "
                              "rebuild it")
-        self.tokens = np.memmap(f"{prefix}.bin", dtype=self.dtype, mode="r")
+        # An empty .bin (a dataset of no documents, e.g. a preprocessing rank's empty share)
+        # cannot be memory-mapped.
+        self.tokens = (np.memmap(f"{prefix}.bin", dtype=self.dtype, mode="r")
+                       if os.path.getsize(f"{prefix}.bin") else np.zeros(0, self.dtype))
         expected = int(self.pointers[-1]) // self.dtype.itemsize + int(self.lengths[-1]) if n_seq else 0
         if self.tokens.size != expected:
             raise ValueError(f"'{prefix}.bin' holds {self.tokens.size} tokens but its index "

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.preprocess import PreprocessError, preprocess
 from megatron_lite.data.preprocess_ranks import piece_blocks, rank_inputs
 from megatron_lite.data.tokenizers import CharTokenizer
 from tests.conftest import REPO, WORKS_JSONL, cpu_env, require_shared
@@ -58,18 +58,36 @@ def test_two_and_three_ranks_under_mpiexec_write_the_single_process_dataset(tmp_
     one = preprocess(inputs, str(tmp_path / "one"), ["text"], "char", str(chars), log=lambda *_: None,
                      show_progress=False)
     assert one.documents == 12 and one.counts
-    for world in (2, 3):
-        out = tmp_path / f"w{world}"
+    gz_only = preprocess([inputs[1]], str(tmp_path / "gz"), ["text"], "char", str(chars), log=lambda *_: None,
+                         show_progress=False)
+    assert gz_only.documents == 2
+    # 3 ranks over one compressed file: two ranks have nothing (empty parts merge too).
+    cases = [(2, inputs, "one", 12), (3, inputs, "one", 12), (3, inputs[1:2], "gz", 2)]
+    for world, files, reference, documents in cases:
+        out = tmp_path / f"w{world}{reference}"
         proc = subprocess.run(
             [mpiexec, "-n", str(world), sys.executable, str(REPO / "tools" / "preprocess_data.py"),
-             "--input", *inputs, "--output-prefix", str(out), "--tokenizer-type", "char",
+             "--input", *files, "--output-prefix", str(out), "--tokenizer-type", "char",
              "--tokenizer-model", str(chars), "--no-progress"],
             cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         for suffix in (".bin", ".idx"):
-            assert (tmp_path / f"w{world}_text_document{suffix}").read_bytes() == \
-                (tmp_path / f"one_text_document{suffix}").read_bytes(), (world, suffix)
-        # One rank merged and said so; the parts and their markers are gone.
-        assert proc.stdout.count("12 documents") == 1, proc.stdout
-        assert sorted(p.name for p in tmp_path.glob(f"w{world}*")) == [
-            f"w{world}_text_document.bin", f"w{world}_text_document.idx"]
+            assert (tmp_path / f"{out.name}_text_document{suffix}").read_bytes() == \
+                (tmp_path / f"{reference}_text_document{suffix}").read_bytes(), (world, suffix)
+        # One rank merged and gave the whole summary; the parts and their markers are gone.
+        assert proc.stdout.count("\nwrote ") == 1, proc.stdout
+        assert f"\n{documents} documents, " in proc.stdout, proc.stdout
+        assert sorted(p.name for p in tmp_path.glob(f"{out.name}*")) == [
+            f"{out.name}_text_document.bin", f"{out.name}_text_document.idx"]
+
+
+def test_bad_ranks_and_hub_datasets_on_several_ranks_are_refused(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "ab"}\n')
+    CharTokenizer.build("ab", tmp_path / "chars.json")
+    args = ([str(path)], str(tmp_path / "o"), ["text"], "char", str(tmp_path / "chars.json"))
+    with pytest.raises(PreprocessError, match="rank 2 is not in 0..1"):
+        preprocess(*args, rank=2, world=2, log=lambda *_: None)
+    with pytest.raises(PreprocessError, match="hf:wikitext is a Hugging Face dataset"):
+        preprocess(["hf:wikitext"], *args[1:], rank=0, world=2, log=lambda *_: None)
+    assert not list(tmp_path.glob("o*"))  # nothing written
