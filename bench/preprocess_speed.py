@@ -8,7 +8,7 @@ BPE files made here), at each worker count W, on one generated jsonl corpus:
   writing .bin/.idx) with ``--workers W``;
 - the limit: W processes, each given its share of the documents already parsed in memory,
   encoding them with the tokenizer's native batch call (sentencepiece's ``encode`` of a list,
-  the ``tokenizers`` library's ``encode_batch``), threaded as ours is (one thread per process
+  the ``tokenizers`` library's ``encode_batch_fast``), threaded as ours is (one thread per process
   when W > 1); the time from a common start to the last process's end. Nothing a tool does
   besides tokenizing is in it, so ``limit / ours`` is at most about 1;
 - for sentencepiece also Megatron-LM's per-document scheme (``imap`` of one JSON line per task,
@@ -65,8 +65,9 @@ def _native(tok):
     """The tokenizer's own batch call, without our wrapper."""
     if hasattr(tok, "sp"):
         return lambda texts: tok.sp.encode(texts, num_threads=tok.num_threads)
-    backend = tok.tok.backend_tokenizer
-    return lambda texts: [e.ids for e in backend.encode_batch(texts)]
+    backend = tok.tok.backend_tokenizer  # its fastest batch call: no offsets computed
+    backend.encode_special_tokens = True
+    return lambda texts: [e.ids for e in backend.encode_batch_fast(texts)]
 
 
 def _limit_process(kind: str, model: str, corpus: str, rank: int, world: int, barrier, results) -> None:

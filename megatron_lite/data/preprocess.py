@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -358,7 +359,8 @@ _worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype, re.Pattern
 
 def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str,
                  single_threaded: bool, tok: Tokenizer | None = None) -> None:
-    """Set up this process's encoder (``tok``: the caller's tokenizer, when it encodes itself)."""
+    """Set up this process's encoder (``tok``: the caller's tokenizer when it encodes itself, or
+    what it handed its workers: ``HFTokenizer.portable``)."""
     global _worker
     if single_threaded:  # one tokenizer thread per worker process: no oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -398,11 +400,18 @@ def encode_batch(batch: list[Record]):
     out = {}
     for key in keys:
         ids = tok.encode_batch([d[key] for d in docs])
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        if ids and isinstance(ids[0], np.ndarray):  # the character tokenizer's
+            flat = np.concatenate(ids).astype(dtype, copy=False)
+        else:  # lists of ints: one pass over all of them (an array per document costs twice that)
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
         if policy.append_eod:
-            eod = policy.eod_id
-            ids = [[*x, eod] if policy.always or not (len(x) and x[-1] == eod) else x for x in ids]
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.concatenate([np.asarray(x, dtype=dtype) for x in ids]) if ids else np.zeros(0, dtype)
+            ends = np.cumsum(lengths)
+            need = np.ones(len(ids), dtype=bool)
+            if not policy.always:  # not after an end-of-document token already there
+                need &= ~((lengths > 0) & (flat[np.maximum(ends - 1, 0)] == policy.eod_id))
+            flat = np.insert(flat, ends[need], policy.eod_id)
+            lengths = lengths + need
         flat, lengths, dropped = one_separator(flat, lengths, policy)
         for i in np.flatnonzero(dropped):
             problems.append(("doubled separator", wheres[i]))
@@ -490,7 +499,8 @@ def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, worker
     # concurrent.futures rather than multiprocessing.Pool: a worker killed mid-batch (the OOM
     # killer on a huge line) breaks the executor and every waiting result raises, where Pool
     # replaces the worker and waits forever for the lost batch.
-    pool = (ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, init_args)
+    portable = getattr(tokenizer, "portable", lambda: None)()
+    pool = (ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, (*init_args, portable))
             if workers > 1 else None)
     start = time.time()
 

@@ -162,16 +162,48 @@ class MegatronSentencePieceTokenizer(SentencePieceTokenizer):
         return "".join(out) + self.sp.decode(run)
 
 
+class BackendTokenizer:
+    """A Hugging Face fast tokenizer's own backend (the ``tokenizers`` library) with the ids that
+    transformers resolved for it: encodes exactly as ``HFTokenizer`` does, without transformers'
+    per-call Python work (its ``BatchEncoding``, attention masks, offsets) and without importing
+    transformers, which imports torch (1.4 s in each preprocessing worker). Pickles as the
+    backend's JSON, so worker processes get it from the parent."""
+
+    def __init__(self, backend, vocab_size: int, eod_id: int | None, bos_id: int | None,
+                 special_texts: tuple[str, ...]):
+        self.backend = backend
+        self.vocab_size, self.eod_id, self.bos_id = vocab_size, eod_id, bos_id
+        self.special_texts = special_texts
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # Special tokens written in the text are text (transformers' split_special_tokens sets
+        # the same switch, per call: the backend object is shared with it).
+        self.backend.encode_special_tokens = True
+        return [e.ids for e in self.backend.encode_batch_fast(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer, used as configured: special tokens it adds by itself (a
     Llama BOS, say) are kept, and preprocessing detects them (see ``separator_policy``)."""
 
     def __init__(self, path: str | Path):
-        from transformers import AutoTokenizer
+        local = Path(path).exists()
+        generic = _generic_fast_class(Path(path)) if local else None
+        if generic is not None:
+            self.tok = generic.from_pretrained(str(path), local_files_only=True)
+        elif local:
+            from transformers import AutoTokenizer
 
-        if Path(path).exists():
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         else:
+            from transformers import AutoTokenizer
+
             try:
                 self.tok = AutoTokenizer.from_pretrained(str(path))
             except Exception as e:  # the network, the Hub, a gated model: one line for each
@@ -184,17 +216,63 @@ class HFTokenizer:
         self.eod_id = self.tok.eos_token_id
         self.bos_id = self.tok.bos_token_id
         self.special_texts = tuple(self.tok.all_special_tokens)
+        self.fast = self._backend()
+
+    def _backend(self) -> BackendTokenizer | None:
+        """The backend alone where it gives transformers' ids (checked on a probe with special
+        tokens written in it); None for tokenizers whose Python class adds its own steps."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None or not getattr(self.tok, "is_fast", False):
+            return None
+        fast = BackendTokenizer(backend, self.vocab_size, self.eod_id, self.bos_id, self.special_texts)
+        probe = ["a", " Two  spaces, a tab\tand ünïcode.\n", " ".join(("x", *self.special_texts, "y"))]
+        ours = fast.encode_batch(probe)
+        theirs = self.tok(probe, split_special_tokens=True)["input_ids"]
+        return fast if [list(x) for x in ours] == [list(x) for x in theirs] else None
 
     # split_special_tokens: special tokens written in the text are text (see special_texts);
     # the ones the tokenizer adds by itself (a Llama BOS) are still added.
     def encode(self, text: str) -> list[int]:
+        if self.fast is not None:
+            return self.fast.encode(text)
         return self.tok.encode(text, split_special_tokens=True)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self.fast is not None:
+            return self.fast.encode_batch(texts)
         return self.tok(list(texts), split_special_tokens=True)["input_ids"]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def portable(self) -> BackendTokenizer | None:
+        """What worker processes can use instead of loading transformers (None: they load it)."""
+        return self.fast
+
+
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_fast_class(directory: Path):
+    """transformers' generic fast class where ``AutoTokenizer`` resolves ``directory`` to it by
+    the tokenizer's own files alone: no model config (``config.json`` steers AutoTokenizer by
+    model type), no custom code, and ``tokenizer_config.json`` naming the generic class, as
+    ``save_pretrained`` of a trained tokenizer writes it. Loading it directly skips the import of
+    transformers' model configuration, which imports torch (0.7 s per process); else None."""
+    config = directory / "tokenizer_config.json"
+    if (directory / "config.json").exists() or not (directory / "tokenizer.json").is_file() \
+            or not config.is_file():
+        return None
+    try:
+        settings = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reports it
+    if not isinstance(settings, dict) or "auto_map" in settings \
+            or settings.get("tokenizer_class") not in GENERIC_FAST:
+        return None
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -66,3 +66,49 @@ def test_framing_separators_are_kept_and_doubled_ones_inside_dropped():
     out, new_lengths, dropped = one_separator(flat, lengths, policy)
     assert out.tolist() == [1, 5, 2, 1, 5, 2, 1, 2, 1, 5, 6, 2]
     assert new_lengths.tolist() == [3, 3, 2, 4] and dropped.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("template", ["<s> $A", "<s> $A </s>", None],
+                         ids=["adds-bos", "adds-both", "adds-neither"])
+def test_the_backend_encodes_as_transformers_does_in_this_process_and_in_workers(tmp_path, template):
+    """The tokenizers backend that encodes (and that worker processes get, pickled, instead of
+    importing transformers) gives transformers' own ids, special tokens written in the text
+    included; two workers write the bytes of one process."""
+    import pickle
+
+    path = _hf_tokenizer(tmp_path / "tok", template)
+    tok = load_tokenizer("huggingface", path)
+    assert tok.fast is not None
+    texts = [*DOCS, "final words</s>", "<s>quoted", "  two leading spaces\nand a line"]
+    expected = tok.tok(texts, split_special_tokens=True)["input_ids"]
+    assert tok.encode_batch(texts) == expected
+    assert [tok.encode(t) for t in texts] == expected
+    assert pickle.loads(pickle.dumps(tok.portable())).encode_batch(texts) == expected
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in texts * 50))
+    for workers in (1, 2):
+        preprocess([str(src)], str(tmp_path / f"w{workers}"), ["text"], "huggingface", str(path),
+                   append_eod=True, workers=workers, log=lambda *_: None, show_progress=False)
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"w1_text_document.{ext}").read_bytes() == \
+            (tmp_path / f"w2_text_document.{ext}").read_bytes()
+
+
+def test_a_saved_tokenizer_loads_as_autotokenizer_loads_it(tmp_path):
+    """A tokenizer directory of its own (no model config.json) loads through transformers'
+    generic fast class directly: the class, ids and special tokens AutoTokenizer gives; with a
+    model config.json next to it, AutoTokenizer itself decides."""
+    from transformers import AutoTokenizer
+
+    from megatron_lite.data.tokenizers import _generic_fast_class
+
+    path = _hf_tokenizer(tmp_path / "tok", "<s> $A")
+    assert _generic_fast_class(path) is not None
+    tok, auto = load_tokenizer("huggingface", path), AutoTokenizer.from_pretrained(str(path))
+    assert type(tok.tok) is type(auto)
+    texts = [*DOCS, "final words</s>"]
+    assert tok.encode_batch(texts) == auto(texts, split_special_tokens=True)["input_ids"]
+    assert (tok.eod_id, tok.bos_id, tok.special_texts) == (auto.eos_token_id, auto.bos_token_id,
+                                                           tuple(auto.all_special_tokens))
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert _generic_fast_class(path) is None
