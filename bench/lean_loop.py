@@ -34,15 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "shakespeare-char.yaml"
 
 
-def settings() -> dict:
-    """The recipe's resolved values that the lean loop uses (passed to it as JSON: it imports
-    nothing of ours)."""
+def settings(overrides: list[str]) -> dict:
+    """The recipe's resolved values (with ``overrides``) that the lean loop uses (passed to it as
+    JSON: it imports nothing of ours)."""
     sys.path.insert(0, str(REPO))
     from dataclasses import asdict
 
     from megatron_lite.config import load_config
 
-    cfg = asdict(load_config(str(RECIPE), []))
+    cfg = asdict(load_config(str(RECIPE), overrides))
     return {k: cfg[k] for k in ("model", "optimizer", "training", "schedule", "data")}
 
 
@@ -131,6 +131,8 @@ def lean(iters: int, prefix: str, r: dict) -> None:
         return loss
 
     val = None
+    startup, evaluating = time.time() - float(os.environ["LEAN_LOOP_T0"]), 0.0
+    started = time.perf_counter()
     for step in range(iters):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -142,20 +144,36 @@ def lean(iters: int, prefix: str, r: dict) -> None:
         if (step + 1) % t["log_interval"] == 0:
             print(f"step {step + 1}: loss {loss.item():.4f}", flush=True)
         if (step + 1) % t["eval_interval"] == 0 or step + 1 == iters:
+            began = time.perf_counter()
             val = evaluate()
+            evaluating += time.perf_counter() - began
             print(f"step {step + 1}: val loss {val:.4f}", flush=True)
+    training = time.perf_counter() - started - evaluating
+    print(f"phases: startup {startup:.1f} s, training {training:.1f} s, evaluation {evaluating:.1f} s")
     print(f"final validation loss {val:.4f}")
 
 
-def timed(command: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, last validation loss printed)."""
+def timed(command: list[str], env: dict, run_dir: Path | None = None) -> tuple[float, float, str]:
+    """(wall seconds, last validation loss printed, where the time went). ``run_dir``: ours's
+    logging directory, whose records give its phases; the lean loop prints its own."""
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=REPO, env={**env, "LEAN_LOOP_T0": repr(time.time())},
+                          capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     found = re.findall(r"final validation loss ([0-9.]+)", proc.stdout)
-    return seconds, float(found[-1])
+    if run_dir is None:
+        phases = re.findall(r"phases: (.*)", proc.stdout)[-1]
+    else:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "step_time_ms" in r]
+        training = sum(r["step_time_ms"] * (r["step"] - prev["step"] if prev else r["step"]) / 1000
+                       for prev, r in zip([None, *steps], steps, strict=False))
+        evaluating = sum(r["eval_ms"] for r in records if "val_loss" in r) / 1000
+        phases = (f"startup {steps[0]['startup_s']:.1f} s, training {training:.1f} s, "
+                  f"evaluation {evaluating:.1f} s")
+    return seconds, float(found[-1]), phases
 
 
 def main() -> None:
@@ -175,23 +193,25 @@ def main() -> None:
         prefix = a.prefix or f"{tmp}/data/tiny_text_document"
         data = [f"data.prefix={prefix}", f"data.tokenizer.model={Path(prefix).parent / 'chars.json'}"]
         ours = [sys.executable, str(REPO / "pretrain.py"), str(RECIPE), *data, f"training.iters={a.iters}",
-                f"logging.dir={tmp}/run", "checkpoint.dir=null", *a.overrides]
+                "checkpoint.dir=null", *a.overrides]
         # The dataset exists before either is timed (built by ours, once).
         subprocess.run([*ours[:3], *data, "training.iters=1", "training.eval_iters=1",
                         "training.sample_tokens=0", f"logging.dir={tmp}/warm"], cwd=REPO, env=env,
                        check=True, capture_output=True)
         lean_cmd = [sys.executable, __file__, "--lean", "--iters", str(a.iters), "--prefix", prefix,
-                    "--settings", json.dumps(settings())]
+                    "--settings", json.dumps(settings(a.overrides))]
         ratios = []
         for i in range(a.rounds):
-            runs = [("ours", ours), ("lean", lean_cmd)]
+            run_dir = Path(tmp) / f"run{i}"
+            runs = [("ours", [*ours, f"logging.dir={run_dir}"], run_dir), ("lean", lean_cmd, None)]
             if i % 2:
                 runs.reverse()
-            got = {name: timed(cmd, env) for name, cmd in runs}
+            got = {name: timed(cmd, env, where) for name, cmd, where in runs}
             ratio = got["lean"][0] / got["ours"][0]
             ratios.append(ratio)
             print(f"round {i + 1}: ours {got['ours'][0]:.1f} s (val {got['ours'][1]:.4f}) | lean loop "
-                  f"{got['lean'][0]:.1f} s (val {got['lean'][1]:.4f}) | lean / ours {ratio:.3f}", flush=True)
+                  f"{got['lean'][0]:.1f} s (val {got['lean'][1]:.4f}) | lean / ours {ratio:.3f}\n"
+                  f"  ours: {got['ours'][2]}\n  lean: {got['lean'][2]}", flush=True)
         print(f"{a.iters} iterations, {a.rounds} rounds: lean / ours median {statistics.median(ratios):.3f}")
 
 
