@@ -2,7 +2,8 @@
 """Our trainer against the leanest plain loop a user would write, end to end, as a user runs
 them (each a fresh process: start-up, data, training, evaluation).
 
-    python bench/lean_loop.py [--iters 2000] [--rounds 3]
+    python bench/lean_loop.py [--iters 2000] [--rounds 3] [dotted.key=value ...]
+    python bench/lean_loop.py training.device=cuda training.precision=bf16   # on a GPU
 
 The lean loop is this file run with ``--lean``: a minimal GPT module (learned positions,
 LayerNorm, GELU MLP, tied embeddings, torch's scaled-dot-product attention), a memmap
@@ -58,6 +59,9 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     chars = json.loads((Path(prefix).parent / "chars.json").read_text())
     vocab = len(chars)
     torch.manual_seed(t["seed"])
+    device = t["device"] if t["device"] in ("cpu", "cuda") else "cuda" if torch.cuda.is_available() else "cpu"
+    # As a user writes it for the recipe's precision: bf16 autocast over fp32 weights.
+    autocast = torch.autocast(device, torch.bfloat16, enabled=t["precision"] == "bf16")
 
     class Block(nn.Module):
         def __init__(self, d: int, heads: int):
@@ -86,7 +90,7 @@ def lean(iters: int, prefix: str, r: dict) -> None:
                        if isinstance(mod, (nn.Linear, nn.Embedding)) else None)
 
         def forward(self, idx, targets=None):
-            x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+            x = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
             for block in self.blocks:
                 x = block(x)
             logits = self.ln(x) @ self.tok.weight.T  # tied
@@ -102,14 +106,14 @@ def lean(iters: int, prefix: str, r: dict) -> None:
         ix = torch.randint(lo, hi - seq - 1, (batch,))
         x = torch.stack([torch.from_numpy(data[i:i + seq].astype(np.int64)) for i in ix.tolist()])
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + seq].astype(np.int64)) for i in ix.tolist()])
-        return x, y
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    model = GPT()
+    model = GPT().to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
                              {"params": other, "weight_decay": 0.0}],
-                            lr=o["lr"], betas=(o["beta1"], o["beta2"]))
+                            lr=o["lr"], betas=(o["beta1"], o["beta2"]), fused=device == "cuda")
 
     def lr_at(step: int) -> float:
         if step < s["warmup_iters"]:
@@ -120,10 +124,12 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     @torch.no_grad()
     def evaluate() -> float:
         model.eval()
-        loss = sum(model(*get_batch("val")).item() for _ in range(t["eval_iters"])) / t["eval_iters"]
-        idx = torch.zeros((1, 1), dtype=torch.long)
+        with autocast:
+            loss = sum(model(*get_batch("val")).item() for _ in range(t["eval_iters"])) / t["eval_iters"]
+        idx = torch.zeros((1, 1), dtype=torch.long, device=device)
         for _ in range(t["sample_tokens"]):  # the sample, as the recipe generates one
-            logits = model(idx[:, -seq:])[:, -1, :] / t["sample_temperature"]
+            with autocast:
+                logits = model(idx[:, -seq:])[:, -1, :].float() / t["sample_temperature"]
             v, _ = torch.topk(logits, min(t["sample_top_k"], vocab))
             logits[logits < v[:, [-1]]] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
@@ -136,7 +142,8 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     for step in range(iters):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        loss = model(*get_batch("train"))
+        with autocast:
+            loss = model(*get_batch("train"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"])
