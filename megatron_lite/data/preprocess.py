@@ -408,7 +408,7 @@ def encode_batch(batch: list[Record]):
         if policy.append_eod:
             ends = np.cumsum(lengths)
             need = np.ones(len(ids), dtype=bool)
-            if not policy.always:  # not after an end-of-document token already there
+            if not policy.always and flat.size:  # not after an end-of-document token already there
                 need &= ~((lengths > 0) & (flat[np.maximum(ends - 1, 0)] == policy.eod_id))
             flat = np.insert(flat, ends[need], policy.eod_id)
             lengths = lengths + need
