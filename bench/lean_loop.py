@@ -59,7 +59,8 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     chars = json.loads((Path(prefix).parent / "chars.json").read_text())
     vocab = len(chars)
     torch.manual_seed(t["seed"])
-    device = t["device"] if t["device"] in ("cpu", "cuda") else "cuda" if torch.cuda.is_available() else "cpu"
+    found = torch.accelerator.current_accelerator()
+    device = t["device"] if t["device"] != "auto" else found.type if found is not None else "cpu"
     # As a user writes it for the recipe's precision: bf16 autocast over fp32 weights.
     autocast = torch.autocast(device, torch.bfloat16, enabled=t["precision"] == "bf16")
 
