@@ -271,4 +271,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_lite.training.entry import exit_process
+
+    exit_process(main(sys.argv[1:]))  # as pretrain.py (see exit_process)

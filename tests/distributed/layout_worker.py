@@ -87,4 +87,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_lite.training.entry import exit_process
+
     main()
+    exit_process(0)  # as pretrain.py: no interpreter finalization after the groups are gone
