@@ -138,7 +138,8 @@ def lean(iters: int, prefix: str, r: dict) -> None:
         return loss
 
     val = None
-    startup, evaluating = time.time() - float(os.environ["LEAN_LOOP_T0"]), 0.0
+    # The launching process's clock at the start (absent when run by hand: startup unknown).
+    startup, evaluating = time.time() - float(os.environ.get("LEAN_LOOP_T0", "nan")), 0.0
     started = time.perf_counter()
     for step in range(iters):
         for group in opt.param_groups:

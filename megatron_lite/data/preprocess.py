@@ -360,7 +360,7 @@ _worker: tuple[Tokenizer, SeparatorPolicy, tuple[str, ...], np.dtype, re.Pattern
 def _init_worker(kind: str, model: str, append_eod: bool, keys: tuple[str, ...], dtype: str,
                  single_threaded: bool, tok: Tokenizer | None = None) -> None:
     """Set up this process's encoder (``tok``: the caller's tokenizer when it encodes itself, or
-    what it handed its workers: ``HFTokenizer.portable``)."""
+    what it handed its workers: ``HFTokenizer.fast``)."""
     global _worker
     if single_threaded:  # one tokenizer thread per worker process: no oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -499,7 +499,7 @@ def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, worker
     # concurrent.futures rather than multiprocessing.Pool: a worker killed mid-batch (the OOM
     # killer on a huge line) breaks the executor and every waiting result raises, where Pool
     # replaces the worker and waits forever for the lost batch.
-    portable = getattr(tokenizer, "portable", lambda: None)()
+    portable = getattr(tokenizer, "fast", None)  # HFTokenizer's backend: workers skip transformers
     pool = (ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, (*init_args, portable))
             if workers > 1 else None)
     start = time.time()

@@ -216,6 +216,8 @@ class HFTokenizer:
         self.eod_id = self.tok.eos_token_id
         self.bos_id = self.tok.bos_token_id
         self.special_texts = tuple(self.tok.all_special_tokens)
+        # What encodes, and what preprocessing's worker processes get instead of loading
+        # transformers (None: the transformers path, loaded in each worker).
         self.fast = self._backend()
 
     def _backend(self) -> BackendTokenizer | None:
@@ -244,10 +246,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def portable(self) -> BackendTokenizer | None:
-        """What worker processes can use instead of loading transformers (None: they load it)."""
-        return self.fast
 
 
 GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -83,7 +83,7 @@ def test_the_backend_encodes_as_transformers_does_in_this_process_and_in_workers
     expected = tok.tok(texts, split_special_tokens=True)["input_ids"]
     assert tok.encode_batch(texts) == expected
     assert [tok.encode(t) for t in texts] == expected
-    assert pickle.loads(pickle.dumps(tok.portable())).encode_batch(texts) == expected
+    assert pickle.loads(pickle.dumps(tok.fast)).encode_batch(texts) == expected
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in texts * 50))
     for workers in (1, 2):
