@@ -6,7 +6,7 @@ them (each a fresh process: start-up, data, training, evaluation).
     python bench/lean_loop.py training.device=cuda training.precision=bf16   # on a GPU
 
 The lean loop is this file run with ``--lean``: a minimal GPT module (learned positions,
-LayerNorm, GELU MLP, tied embeddings, torch's scaled-dot-product attention), a memmap
+LayerNorm, the recipe's GELU MLP, tied embeddings, torch's scaled-dot-product attention), a memmap
 ``get_batch`` of random windows of the recipe's own ``.bin`` (the first 90% of the tokens to
 train, the rest to validate, as the recipe's split), torch AdamW with the recipe's settings
 (decay on matrices only), gradient clipping, the recipe's warm-up + cosine learning rate, and
@@ -64,6 +64,8 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     # As a user writes it for the recipe's precision: bf16 autocast over fp32 weights.
     autocast = torch.autocast(device, torch.bfloat16, enabled=t["precision"] == "bf16")
 
+    gelu_form = "tanh" if m["activation"] == "gelu" else "none"  # the recipe's GELU
+
     class Block(nn.Module):
         def __init__(self, d: int, heads: int):
             super().__init__()
@@ -78,7 +80,7 @@ def lean(iters: int, prefix: str, r: dict) -> None:
             q, k, v = (z.view(B, T, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate=gelu_form))
 
     class GPT(nn.Module):
         def __init__(self):

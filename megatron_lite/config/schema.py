@@ -104,8 +104,10 @@ class ModelConfig:
     """Normalisation layer."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
-    activation: str = choice("swiglu", "gelu")
-    """MLP activation: SwiGLU (gated, Llama) or GELU (tanh approximation, GPT-2)."""
+    activation: str = choice("swiglu", "gelu", "gelu_exact")
+    """MLP activation: SwiGLU (gated, Llama); GELU in GPT-2's tanh approximation (transformers'
+    ``gelu_new``); or exact GELU with erf (nanoGPT, BERT and Megatron-LM's default; transformers'
+    ``gelu``), which is also 2-3× faster than the tanh form on CPUs."""
     bias: bool = False
     """Biases in linear layers and LayerNorm."""
     tie_embeddings: bool = False
@@ -145,7 +147,7 @@ class ModelConfig:
         ``ffn_multiple`` for SwiGLU."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.activation == "gelu":
+        if self.activation != "swiglu":
             return 4 * self.d_model
         hidden = int(2 * 4 * self.d_model / 3)
         return -(-hidden // self.ffn_multiple) * self.ffn_multiple

@@ -35,6 +35,13 @@ def llama_config_from_hf(hf: Any) -> ModelConfig:
     if bool(getattr(hf, "attention_bias", False)) != bool(getattr(hf, "mlp_bias", False)):
         raise ValueError("Llama configs with biases in attention but not the MLP (or the reverse) "
                          "are not supported: model.bias covers both")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ValueError(f"{hf.model_type} head_dim {head_dim} × {hf.num_attention_heads} heads is not the "
+                         f"hidden size {hf.hidden_size}: this model's head width is d_model / n_heads")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{hf.model_type} hidden_act '{hf.hidden_act}' is not supported; "
+                         "model.activation=swiglu is SiLU-gated ('silu')")
     return ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size,
@@ -48,21 +55,31 @@ def llama_config_from_hf(hf: Any) -> ModelConfig:
 def qwen3_config_from_hf(hf: Any) -> ModelConfig:
     if getattr(hf, "use_sliding_window", False):
         raise ValueError("Qwen3 configs with sliding-window attention are not supported")
-    if hf.head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError(f"Qwen3 head_dim {hf.head_dim} × {hf.num_attention_heads} heads is not the "
-                         f"hidden size {hf.hidden_size}: this model's head width is d_model / n_heads")
     if getattr(hf, "attention_bias", False):
         raise ValueError("Qwen3 configs with attention biases are not supported (its MLP has none; "
                          "model.bias covers both)")
     return dataclasses.replace(llama_config_from_hf(hf), qk_norm=True)
 
 
+# transformers' GPT-2 activation names -> ours. Its "gelu" is the exact (erf) form; "gelu_new" and
+# "gelu_pytorch_tanh" are the tanh approximation GPT-2 was trained with.
+GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
+
+
 def gpt2_config_from_hf(hf: Any) -> ModelConfig:
+    activation = GPT2_ACTIVATIONS.get(hf.activation_function)
+    if activation is None:
+        raise ValueError(f"GPT-2 activation_function '{hf.activation_function}' is not supported; "
+                         f"choose one of {sorted(GPT2_ACTIVATIONS)}")
+    if not getattr(hf, "scale_attn_weights", True) or getattr(hf, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("GPT-2 configs that scale attention other than by 1/sqrt(head width) "
+                         "(scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true) "
+                         "are not supported")
     return ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.n_layer, n_heads=hf.n_head,
         d_model=hf.n_embd, ffn_hidden=hf.n_inner or 4 * hf.n_embd, max_seq_len=hf.n_positions,
-        position="learned", norm="layernorm", norm_eps=hf.layer_norm_epsilon, activation="gelu",
-        bias=True, tie_embeddings=True,
+        position="learned", norm="layernorm", norm_eps=hf.layer_norm_epsilon, activation=activation,
+        bias=True, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
     )
 
 
@@ -115,7 +132,7 @@ def gpt2_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     out: StateDict = {"tok_emb.weight": sd["wte.weight"], "pos_emb.weight": sd["wpe.weight"],
                       "norm.weight": sd["ln_f.weight"], "norm.bias": sd["ln_f.bias"]}
-    out["lm_head.weight"] = out["tok_emb.weight"]
+    out["lm_head.weight"] = out["tok_emb.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
     for i in range(cfg.n_layers):
         o = f"blocks.{i}."
         for ours, theirs in _GPT2_LAYER.items():
@@ -135,7 +152,8 @@ def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     out: StateDict = {"transformer.wte.weight": sd["tok_emb.weight"],
                       "transformer.wpe.weight": sd["pos_emb.weight"],
                       "transformer.ln_f.weight": sd["norm.weight"],
-                      "transformer.ln_f.bias": sd["norm.bias"], "lm_head.weight": sd["tok_emb.weight"]}
+                      "transformer.ln_f.bias": sd["norm.bias"],
+                      "lm_head.weight": sd["tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"]}
     for i in range(cfg.n_layers):
         o, h = f"blocks.{i}.", f"transformer.h.{i}."
         for ours, theirs in _GPT2_LAYER.items():
@@ -165,6 +183,23 @@ def from_hf(hf_model: Any) -> tuple[ModelConfig, StateDict]:
     raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen3' or 'gpt2' model")
 
 
+def _check_exportable(cfg: ModelConfig) -> None:
+    """Refuse, naming every field at once, a model that the transformers class it exports as
+    (by ``model.position``, and ``qk_norm``) would compute differently."""
+    if cfg.position == "learned":
+        target, needs = "GPT-2", {"norm": ("layernorm",), "activation": ("gelu", "gelu_exact"),
+                                  "bias": (True,), "n_kv_heads": (None, cfg.n_heads), "qk_norm": (False,)}
+    elif cfg.qk_norm:
+        target, needs = "Qwen3", {"norm": ("rmsnorm",), "activation": ("swiglu",), "bias": (False,)}
+    else:
+        target, needs = "Llama", {"norm": ("rmsnorm",), "activation": ("swiglu",)}
+    wrong = [f"model.{field}={getattr(cfg, field)!r} (needs {' or '.join(map(repr, allowed))})"
+             for field, allowed in needs.items() if getattr(cfg, field) not in allowed]
+    if wrong:
+        raise ValueError(f"this model (model.position={cfg.position}, qk_norm={cfg.qk_norm}) exports as "
+                         f"{target}, which it does not match: " + "; ".join(wrong))
+
+
 def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateDict]:
     """A transformers config and state dict for our model (Llama-style, Qwen3-style with
     ``qk_norm``, or GPT-2-style)."""
@@ -174,15 +209,14 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
     if used < cfg.vocab_size:  # the padding rows are ours alone
         sd = {k: v[:used] if k in VOCAB_PARAMETERS else v for k, v in sd.items()}
         cfg = dataclasses.replace(cfg, vocab_size=used)
+    _check_exportable(cfg)
     if cfg.position == "learned":
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
                             n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.mlp_hidden,
-                            layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new")
+                            layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                            activation_function="gelu_new" if cfg.activation == "gelu" else "gelu")
         return hf_cfg, gpt2_to_hf(sd, cfg)
     if cfg.qk_norm:
-        if (cfg.norm, cfg.activation, cfg.bias) != ("rmsnorm", "swiglu", False):
-            raise ValueError("a model with qk_norm exports as Qwen3, which needs model.norm=rmsnorm, "
-                             "model.activation=swiglu and model.bias=false")
         hf_cfg = Qwen3Config(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,

@@ -153,12 +153,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.activation == "swiglu" else None
         self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.approximate = "tanh" if cfg.activation == "gelu" else "none"  # GELU's form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
         else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")  # (B, T, F)
+            h = F.gelu(self.up_proj(x), approximate=self.approximate)  # (B, T, F)
         return self.down_proj(h)  # (B, T, D)
 
 
