@@ -1,6 +1,7 @@
 from setuptools import find_packages, setup
 
 RAY = ["ray[default,train]>=2.60,<3", "datasets>=3"]
+FP8 = ["torchao>=0.14"]
 
 setup(
     name="megatron_lite",
@@ -28,8 +29,10 @@ setup(
     # launch/polaris.sh on a workstation and in the tests. ray: launch/ray_train.py (Ray Train 2;
     # "default" brings the dashboard, whose state API Ray Train's controller queries) and
     # Hugging Face datasets as preprocessing input.
+    # fp8: model.fp8 (torchao's float8 training; pick the torchao release built for your torch).
     extras_require={"report": ["matplotlib>=3.7", "plotext>=5.2,<6"],
                     "ray": RAY,
+                    "fp8": FP8,
                     "test": ["pytest>=8", "ruff>=0.6", "pyarrow>=14", "matplotlib>=3.7", "plotext>=5.2,<6",
-                             "mpich>=4; sys_platform == 'linux'", *RAY]},
+                             "mpich>=4; sys_platform == 'linux'", *RAY, *FP8]},
 )

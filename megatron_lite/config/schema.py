@@ -123,6 +123,15 @@ class ModelConfig:
     sqrt(2·n_layers) (GPT-2/Megatron scaled init)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+    fp8: bool = False
+    """Float8 matrix products in the transformer blocks' linear layers (torchao's float8
+    training, as torchtitan's ``float8`` converter: inputs and weights in e4m3, gradients in
+    e5m2, one dynamic scale per tensor). Weights, gradients, optimizer state and checkpoints stay
+    in the training precision; embeddings, norms, attention and the output layer are untouched.
+    Fast on GPUs with float8 units (H100/H200, sm_89+; pair with ``training.precision: bf16``);
+    elsewhere, the CPU included, the products are emulated: same numerics, slower. Needs
+    ``pip install torchao``, ``parallel.tensor: 1``, ``parallel.tile_factor: 1``, and every block
+    linear's sizes and micro_batch_size × seq_length multiples of 16."""
 
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "activation", "norm",

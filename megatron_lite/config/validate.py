@@ -122,6 +122,7 @@ def validate(cfg: Config) -> list[str]:
              f"('schedule.warmup_iters' = {s.warmup_iters})")
 
     problems.extend(_parallel_problems(cfg))
+    problems.extend(_fp8_problems(cfg))
     for key in ("save_interval", "keep_last", "keep_every"):
         value = getattr(cfg.checkpoint, key)
         need(value >= 0, f"'checkpoint.{key}' = {value} must be 0 or more")
@@ -164,6 +165,30 @@ def _spike_problems(cfg: Config) -> list[str]:
         problems.append(f"'{key}' = 'rollback' reloads checkpoints: set 'checkpoint.dir' (and "
                         "'checkpoint.save_interval') or choose 'skip_step'")
     return problems
+
+
+def _fp8_problems(cfg: Config) -> list[str]:
+    """What ``model.fp8`` needs: float8 products take sizes in multiples of 16 (every block linear's
+    rows and columns, and the tokens of a micro-batch, the inner size of the weight gradient's
+    product), and it converts plain linear layers only (not tensor-parallel or tiled ones)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    if not m.fp8 or m.n_heads < 1 or m.d_model % m.n_heads or m.kv_heads < 1:
+        return []
+    out = []
+    if p.tensor > 1 or p.tile_factor > 1:
+        out.append(f"'model.fp8' = true converts plain linear layers; with 'parallel.tensor' = {p.tensor} "
+                   f"and 'parallel.tile_factor' = {p.tile_factor} set both to 1 or 'model.fp8' to false")
+    odd = [f"{name} {rows} x {cols}" for name, (rows, cols) in _block_linear_shapes(m, 1).items()
+           if rows % 16 or cols % 16]
+    if odd:
+        out.append(f"'model.fp8' = true needs block linear sizes in multiples of 16, but "
+                   f"{', '.join(odd)} (from 'model.d_model' = {m.d_model}, 'model.n_heads' = {m.n_heads}, "
+                   f"'model.n_kv_heads' = {m.n_kv_heads}, 'model.ffn_hidden' = {m.ffn_hidden})")
+    tokens = t.micro_batch_size * cfg.data.seq_length
+    if tokens % 16:
+        out.append(f"'model.fp8' = true needs 'training.micro_batch_size' × 'data.seq_length' "
+                   f"({t.micro_batch_size} × {cfg.data.seq_length} = {tokens}) to be a multiple of 16")
+    return out
 
 
 def _block_linear_shapes(m, tensor: int) -> dict[str, tuple[int, int]]:

@@ -134,6 +134,22 @@ def device_name(acc) -> str:
     return module.get_device_name(acc.current_device())
 
 
+def float8_problem(acc) -> str | None:
+    """Why this rank's device cannot run ``model.fp8``'s float8 products, or None. CUDA needs
+    float8 units (compute capability 8.9 and up: Ada, Hopper, Blackwell); the CPU emulates them;
+    torchao's float8 training has no HPU path."""
+    kind = acc.device_name()
+    if kind == "cpu":
+        return None
+    if kind == "cuda":
+        major, minor = torch.cuda.get_device_capability(acc.current_device())
+        if (major, minor) >= (8, 9):
+            return None
+        return (f"'model.fp8' = true needs float8 units (compute capability 8.9+: H100, H200, L40S); "
+                f"{device_name(acc)} is {major}.{minor}: set model.fp8=false")
+    return f"'model.fp8' = true: torchao's float8 training does not run on {kind}; set model.fp8=false"
+
+
 def peak_flops(name: str, precision: str) -> float | None:
     """Peak FLOP/s of a device by name, or None when unknown (then MFU is not reported)."""
     spec = device_spec(name)

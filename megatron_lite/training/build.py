@@ -16,6 +16,7 @@ from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model import flops_per_token, resolve_model
+from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
@@ -63,6 +64,13 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
         notes.append(f"{device_type} fused kernels: {', '.join(fused)}")
     if use_loss_kernel(model, cfg.training.kernels, device_type):
         notes.append("output layer + loss: Liger Kernel's fused linear cross-entropy")
+    if cfg.model.fp8:
+        problem = devmod.float8_problem(acc)
+        if problem:
+            raise ValueError(problem)
+        n = convert_blocks_to_float8(model)
+        notes.append(f"float8: {n} block linear layer(s) on this rank"
+                     + (" (emulated on the CPU: slower)" if device_type == "cpu" else ""))
     if cfg.training.compile or (device_type == "hpu" and cfg.training.hpu_mode == "compile"):
         n = compile_blocks(model, acc.get_compile_backend())
         notes.append(f"torch.compile: {n} transformer block(s) on this rank, backend "
