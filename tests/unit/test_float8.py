@@ -86,3 +86,23 @@ def test_devices_without_a_float8_path_are_refused():
 
     assert float8_problem(Accelerator("cpu")) is None
     assert "does not run on hpu; set model.fp8=false" in float8_problem(Accelerator("hpu"))
+
+
+def test_compiled_float8_blocks_match_eager_ones():
+    """training.compile after model.fp8 (the GPU recipes' combination): inductor fuses the casts
+    and scales into the blocks; the loss and gradients stay eager float8's."""
+    from megatron_lite.parallel.apply import compile_blocks
+
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(LLAMA, n_layers=1)
+    eager = build_model(cfg)
+    compiled = build_model(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        convert_blocks_to_float8(model)
+    assert compile_blocks(compiled, "inductor") == 1
+    loss, grads = _loss_and_grads(eager)
+    loss_c, grads_c = _loss_and_grads(compiled)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-4, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_c[name], g, rtol=1e-3, atol=1e-5, msg=name)
