@@ -52,6 +52,9 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
     """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``),
     put the device's and the recipe's kernels into it, compile it when asked and wrap it in the
     DeepSpeed engine, whose schedule plans for ``iters`` steps."""
+    problem = devmod.float8_problem(acc) if cfg.model.fp8 else None
+    if problem:  # before anything is built
+        raise ValueError(problem)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
@@ -65,9 +68,6 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
     if use_loss_kernel(model, cfg.training.kernels, device_type):
         notes.append("output layer + loss: Liger Kernel's fused linear cross-entropy")
     if cfg.model.fp8:
-        problem = devmod.float8_problem(acc)
-        if problem:
-            raise ValueError(problem)
         n = convert_blocks_to_float8(model)
         notes.append(f"float8: {n} block linear layer(s) on this rank"
                      + (" (emulated on the CPU: slower)" if device_type == "cpu" else ""))
