@@ -33,3 +33,20 @@ def test_bench_step_reports_throughput_breakdown_and_ratio(tmp_path, kind):
     assert r["baseline_step_ms"] > 0 and r["ratio_vs_transformers"] == pytest.approx(
         r["baseline_step_ms"] / r["step_ms"])
     assert "transformers plain loop" in proc.stdout
+
+
+def test_bench_cpu_threads_times_every_case():
+    """bench/cpu_threads.py runs each way of sharing two cores (the all-reduce case through a real
+    two-process gloo group) and prints a ratio for each."""
+    from bench.cpu_threads import CASES
+
+    small = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "training.micro_batch_size=4",
+             "training.global_batch_size=4"]
+    command = [sys.executable, str(REPO / "bench/cpu_threads.py"), "recipes/shakespeare-char.yaml",
+               "--steps", "5", "--rounds", "1", "--cores", "2", *small]
+    proc = subprocess.run(command, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = {c: line for c in CASES for line in proc.stdout.splitlines() if line.strip().startswith(c + " ")}
+    assert set(lines) == set(CASES), proc.stdout
+    for line in lines.values():
+        assert float(line.split("ms/step")[0].split()[-1]) > 0 and "baseline / case" in line
