@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,16 +55,20 @@ def worker(a: argparse.Namespace) -> None:
     mcfg = resolve_model(cfg.model, cfg.data.tokenizer.vocab_size, seq)
     model = build_model(mcfg, seed=cfg.training.seed)
     grads = sum(p.numel() for p in model.parameters())
+    dims = None
     if a.case == "gradient all-reduce":
-        import torch.distributed as dist
+        from megatron_lite.distributed import collectives, detect, init_distributed
+        from megatron_lite.distributed.parallel_dims import shutdown_distributed
 
-        dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
+        # The run's own process groups (global batch: micro-batch × the ranks), as under torchrun.
+        layout = ["training.device=cpu", "training.global_batch_size=null",
+                  f"training.micro_batch_size={a.batch}"]
+        run_cfg = load_config(a.recipe, [*a.overrides, *layout])
+        dims, _ = init_distributed(run_cfg, detect())
         flat = torch.randn(grads)
-        # This case is the CPU's own: host tensors, on a gloo group named as such.
-        host = dist.new_group(backend="gloo")
 
-        def step() -> None:
-            dist.all_reduce(flat, group=host)
+        def step() -> None:  # over the data-parallel group, where DeepSpeed reduces gradients
+            collectives.all_reduce(flat, dims.group("data"))
     else:
         o = cfg.optimizer
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
@@ -101,12 +105,12 @@ def worker(a: argparse.Namespace) -> None:
             step()
         times.append((time.perf_counter() - start) / (a.steps // 5) * 1000)
     print(json.dumps({"ms": statistics.median(times)}))
-    if a.case == "gradient all-reduce":
-        dist.destroy_process_group()
+    if dims is not None:
+        shutdown_distributed(dims)
     exit_process(0)  # past gloo's teardown abort at finalization (see its docstring)
 
 
-def run_case(case: str, a: argparse.Namespace, cores: int, batch: int, tmp: str) -> float:
+def run_case(case: str, a: argparse.Namespace, cores: int, batch: int) -> float:
     """Milliseconds per step of ``case`` (the slowest of its processes)."""
     base = [sys.executable, __file__, a.recipe, "--worker", "--steps", str(a.steps), "--case", case]
     if case == "threads":
@@ -116,12 +120,19 @@ def run_case(case: str, a: argparse.Namespace, cores: int, batch: int, tmp: str)
     elif case == "per-core threads":
         commands = [[*base, "--threads", "1", "--batch", str(batch), "--split", str(cores)]]
     else:
-        init = f"file://{tmp}/store-{time.monotonic_ns()}"
-        commands = [[*base, "--threads", "1", "--batch", str(batch // cores), "--rank", str(r),
-                     "--world", str(cores), "--init", init] for r in range(cores)]
+        commands = [[*base, "--threads", "1", "--batch", str(batch // cores), "--rank", str(r)]
+                    for r in range(cores)]
+    ranks = {}
+    if case == "gradient all-reduce":  # torchrun's variables, which the run's launch detection reads
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ranks = {"WORLD_SIZE": str(cores), "LOCAL_WORLD_SIZE": str(cores), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}
     procs = [subprocess.Popen([*c, *a.overrides], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": c[c.index("--threads") + 1]})
-             for c in commands]
+                              env={**os.environ, "OMP_NUM_THREADS": c[c.index("--threads") + 1], **ranks,
+                                   **({"RANK": str(r), "LOCAL_RANK": str(r)} if ranks else {})})
+             for r, c in enumerate(commands)]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"case {case!r} failed")
@@ -140,8 +151,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--split", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="recipe overrides (dotted.key=value)")
     a = p.parse_intermixed_args()
     if a.worker:
@@ -158,10 +167,9 @@ def main() -> None:
         raise SystemExit(f"needs at least 2 cores and a micro-batch that they divide ({cores} cores, "
                          f"micro-batch {batch})")
     got: dict[str, list[float]] = {c: [] for c in CASES}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            for case in CASES if r % 2 == 0 else reversed(CASES):
-                got[case].append(run_case(case, a, cores, batch, tmp))
+    for r in range(a.rounds):
+        for case in CASES if r % 2 == 0 else reversed(CASES):
+            got[case].append(run_case(case, a, cores, batch))
     baseline = statistics.median(got["threads"])
     print(f"{Path(a.recipe).name}: {cores} cores, micro-batch {batch}, {a.rounds} rounds of {a.steps} steps")
     for case in CASES:
