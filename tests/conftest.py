@@ -80,11 +80,34 @@ def run_pretrain_and_kill(args: list[str], nproc: int, marker: str, env: dict[st
     for line in proc.stdout:
         seen.append(line)
         if marker in line:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             break
     proc.wait(timeout=120)
     assert proc.returncode == -signal.SIGKILL, "".join(seen[-30:])
     return "".join(seen)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process ``pid`` and all its descendants, and wait until they are gone.
+
+    Killing the launcher's process group is not enough: torchrun starts each worker in a
+    session of its own, so its ranks outlive a killed launcher (and train on, save, and hold
+    the checkpoint directory's lock)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        descendants = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in [root, *descendants]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    # (The launcher itself is the caller's child: the caller reaps it.)
+    _, alive = psutil.wait_procs(descendants, timeout=60)
+    assert not alive, f"processes survived SIGKILL: {alive}"
 
 
 def _free_port() -> int:

@@ -30,8 +30,11 @@ def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
     check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     # (A background save announces itself when committed: the kill comes after the commit.)
+    # Steps 5 and 6 (samples 32-47) read slowly in the killed run, so the kill lands before it
+    # can finish and save step 6, however late a loaded machine lets the test see the line.
     run_pretrain_and_kill([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
-                             f"saved checkpoint {tmp_path}/ck/step_00000003")
+                          f"saved checkpoint {tmp_path}/ck/step_00000003",
+                          env={"FAULT_SLOW_DATA": "32:48:5"})
     check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
     want, got = _records(tmp_path / "full", 4), _records(tmp_path / "resumed", 1)
     assert [r["step"] for r in got] == [4, 5, 6]
