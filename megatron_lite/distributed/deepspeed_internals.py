@@ -102,6 +102,20 @@ def count_declined_update(opt: torch.optim.Optimizer) -> None:
     opt._opt_called = True
 
 
+def drop_gradients_from_a_list(engine) -> None:
+    """DeepSpeed's ZeRO-0 fp32 update drops the gradients with ``DeepSpeedEngine.zero_grad``, which
+    walks ``module.named_parameters()`` every step (a third of a millisecond for a 4-layer
+    model: as much as a small model's optimizer step). The same, over the parameter list taken
+    once; the model's parameters are fixed once the engine is built."""
+    params = list(engine.module.parameters())
+
+    def zero_grad() -> None:
+        for p in params:
+            p.grad = None
+
+    engine.zero_grad = zero_grad
+
+
 def reported_grad_norm(engine):
     """The global gradient norm DeepSpeed computed in this step, or None: its ZeRO and bf16
     optimizers keep it as ``_global_grad_norm``, the engine too on our pipeline ZeRO-0 path

@@ -140,6 +140,8 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
         model.train_scale /= dims.grad_accumulation(cfg)
     if dims.pipeline > 1 and cfg.parallel.deepspeed_zero_stage == 0:
         deepspeed_internals.keep_clipped_norm(engine)
+    if cfg.parallel.deepspeed_zero_stage == 0:
+        deepspeed_internals.drop_gradients_from_a_list(engine)
     if (dims.pipeline == 1 and cfg.parallel.deepspeed_zero_stage == 0 and dims.data == 1 and dims.ulysses == 1
             and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a

@@ -64,6 +64,9 @@ class StepRunner:
         self.graph_break = graph_break
         self.pipelined = dims.pipeline > 1
         self.own_clipping = trainer_clips_gradients(cfg) and not self.pipelined
+        # Taken once: walking the module's parameters costs as much per step as a small model's
+        # optimizer update (the parameters are fixed once the engine is built).
+        self._params = list(engine.module.parameters())
         self.grad_norm: torch.Tensor | None = None
         self.judge: Judge | None = None
         self.applied = True  # whether the last step's update was applied
@@ -181,8 +184,8 @@ class StepRunner:
             if last and self.dims.hsdp_replicas > 1:
                 self._average_over_replicas()
             if self.own_clipping and last:
-                self.grad_norm = clip_grad_norm(list(engine.module.parameters()),
-                                                self.cfg.optimizer.grad_clip, self.dims, self.clip_kernel)
+                self.grad_norm = clip_grad_norm(self._params, self.cfg.optimizer.grad_clip, self.dims,
+                                                self.clip_kernel)
             if last:
                 self._loss_sum = loss_sum
             engine.step()
