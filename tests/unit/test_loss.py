@@ -11,9 +11,15 @@ from megatron_lite.model.loss import (
 )
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused pass at every size (these tests' shapes are small enough for the plain loss)."""
+    monkeypatch.setattr(loss_module, "SMALL_LOGITS", 0)
+
+
 @pytest.mark.parametrize("chunk_rows", [None, 256], ids=["default-chunks", "chunks-of-256"])
 @pytest.mark.parametrize("n, vocab", [(700, 4096), (37, 65), (1000, 50)])
-def test_matches_plain_cross_entropy_and_gradients(n, vocab, chunk_rows, monkeypatch):
+def test_matches_plain_cross_entropy_and_gradients(n, vocab, chunk_rows, fused, monkeypatch):
     if chunk_rows is not None:  # several chunks, the last one partial
         monkeypatch.setattr(loss_module, "chunk_rows", lambda vocab, device_type: chunk_rows)
     g = torch.Generator().manual_seed(0)
@@ -32,7 +38,28 @@ def test_matches_plain_cross_entropy_and_gradients(n, vocab, chunk_rows, monkeyp
         torch.testing.assert_close(linear_cross_entropy(h0, w0, t), results[0][0], rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_is_close_to_fp32():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_logits_take_the_plain_loss_with_the_fused_results(dtype, monkeypatch):
+    """768 tokens × 65 ids (shakespeare-char's step) is under SMALL_LOGITS: the plain loss runs
+    (the fused Function is not there to call) and gives the fused pass's loss and gradients."""
+    g = torch.Generator().manual_seed(2)
+    h0, w0 = torch.randn(768, 128, generator=g).to(dtype), (torch.randn(65, 128, generator=g) * 0.1).to(dtype)
+    t = torch.randint(0, 65, (768,), generator=g)
+    assert 768 * 65 <= loss_module.SMALL_LOGITS
+    results = []
+    for small, function in ((0, loss_module._LinearCrossEntropy), (loss_module.SMALL_LOGITS, None)):
+        monkeypatch.setattr(loss_module, "SMALL_LOGITS", small)
+        monkeypatch.setattr(loss_module, "_LinearCrossEntropy", function)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, t)
+        (3.0 * loss).backward()
+        results.append((loss.detach().float(), h.grad.float(), w.grad.float()))
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    for fused, plain in zip(*results, strict=True):
+        torch.testing.assert_close(plain, fused, **tol)
+
+
+def test_bf16_is_close_to_fp32(fused):
     g = torch.Generator().manual_seed(1)
     h = torch.randn(300, 64, generator=g)
     w = torch.randn(1000, 64, generator=g) * 0.05
