@@ -50,3 +50,18 @@ def test_bench_cpu_threads_times_every_case():
     assert set(lines) == set(CASES), proc.stdout
     for line in lines.values():
         assert float(line.split("ms/step")[0].split()[-1]) > 0 and "baseline / case" in line
+
+
+def test_bench_loss_speed_names_the_path_the_trainer_takes():
+    """bench/loss_speed.py times both loss paths on every shape and names the one the trainer
+    takes for it (the plain loss up to SMALL_LOGITS)."""
+    from megatron_lite.model.loss import SMALL_LOGITS
+
+    proc = subprocess.run([sys.executable, str(REPO / "bench/loss_speed.py"), "--rounds", "1"], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if "plain / fused" in line]
+    assert len(rows) == 7, proc.stdout
+    for row in rows:
+        tokens, vocab = (int(x) for x in row.split("(")[0].split(" x "))
+        assert row.endswith("plain" if tokens * vocab <= SMALL_LOGITS else "fused"), row
