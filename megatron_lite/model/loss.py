@@ -130,9 +130,10 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
 SMALL_LOGITS = 1 << 20
 """Up to this many logits (tokens × vocabulary), the eager loss is the plain
 ``F.cross_entropy(h @ weight.T)``: all of it is a few MiB, and the fused pass's extra kernels
-cost more than they save. On CPU (fp32, forward + backward): 0.44 against 0.85 ms for
-shakespeare-char's 768 × 65, 5.1 against 6.7 ms for 8,192 × 65, even at 1,024 × 1,024; the
-fused pass wins from about 4M logits (2,048 × 2,048: 23 against 28 ms)."""
+cost more than they save. On CPU, fp32, forward + backward (``bench/loss_speed.py``): 0.41-0.47
+against 0.61-0.63 ms for shakespeare-char's 768 × 65, 4.5-4.8 against 5.1-5.7 ms for 8,192 × 65;
+even (±10%) at 1M; the fused pass is faster from 2M logits (512 × 4,096: 7.1-7.4 against
+9.5 ms)."""
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
