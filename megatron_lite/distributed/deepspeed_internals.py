@@ -103,10 +103,10 @@ def count_declined_update(opt: torch.optim.Optimizer) -> None:
 
 
 def drop_gradients_from_a_list(engine) -> None:
-    """DeepSpeed's ZeRO-0 fp32 update drops the gradients with ``DeepSpeedEngine.zero_grad``, which
-    walks ``module.named_parameters()`` every step (a third of a millisecond for a 4-layer
-    model: as much as a small model's optimizer step). The same, over the parameter list taken
-    once; the model's parameters are fixed once the engine is built."""
+    """DeepSpeed's ZeRO-0 update drops the gradients with ``DeepSpeedEngine.zero_grad``, which
+    walks ``module.named_parameters()`` every step (0.17 ms of a 4.9 ms step of a 4-layer,
+    16-wide model, measured A/B in one process). The same, over the parameter list taken once;
+    the model's parameters are fixed once the engine is built."""
     params = list(engine.module.parameters())
 
     def zero_grad() -> None:

@@ -116,7 +116,8 @@ def loss_bytes(tokens: int, d_model: int, vocab: int, width: int, tensor: int = 
     """Peak working memory of the output layer and loss (``model/loss.py``; with ``tensor`` > 1
     ``parallel/tensor_parallel.py``) over ``tokens`` rows of ``d_model`` hidden states in
     ``width``-byte weights; ``compiled``: the softmax pass compiled (``training.compile`` off CPU).
-    Measured against the real code in ``tests/unit/test_planner.py``."""
+    Measured against the real code in ``tests/unit/test_planner.py``. Up to ``SMALL_LOGITS`` the
+    trainer takes the plain cross-entropy instead, whose few MiB this does not model apart."""
     if tensor > 1:
         # Vocabulary-parallel cross-entropy: the rank's logits, an fp32 copy (mixed precision
         # only) and the max-shifted exponentials that become the saved softmax.
