@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
+from megatron_lite.data.preprocess_ranks import PartsPending  # noqa: E402
 from megatron_lite.distributed.launcher_env import detect  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
@@ -34,6 +35,10 @@ TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggi
          # the model's vocabulary with the model's EOS.
          "SentencePieceTokenizer": "megatron-sentencepiece", "GPTSentencePieceTokenizer": "sentencepiece",
          "HuggingFaceTokenizer": "huggingface"}
+
+# Ranks under one launcher start together; a rank waits this long for the slowest one.
+LAUNCHED_WAIT_S = 3600.0
+PENDING = 3  # exit status: this rank's part is committed, the dataset is not written yet
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,16 +70,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="this process's rank of --world-size (default: from mpiexec, torchrun, Slurm)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks that share the input (default: from the launcher; 1 without one)")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="several ranks: how long a rank whose part is written waits for the others "
+                        f"and the merged dataset (default: {LAUNCHED_WAIT_S:.0f} under a launcher, 0 "
+                        "with --rank/--world-size by hand). Exit status 0 means the whole dataset is "
+                        f"written and verified; {PENDING} means this rank's part is committed and other "
+                        "parts are still missing")
     args = p.parse_args(argv)
     launched = detect()
+    by_hand = args.rank is not None or args.world_size is not None
     rank = launched.rank if args.rank is None else args.rank
     world = launched.world_size if args.world_size is None else args.world_size
+    wait = args.wait if args.wait is not None else (0.0 if by_hand else LAUNCHED_WAIT_S)
     try:
         preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
                    args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,
                    text_split=args.text_split, strict=args.strict,
                    show_progress=False if args.no_progress else None, split=args.split,
-                   streaming=args.streaming, rank=rank, world=world)
+                   streaming=args.streaming, rank=rank, world=world, wait=wait)
+    except PartsPending as e:
+        print(str(e), file=sys.stderr)
+        return PENDING
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,11 +40,15 @@ from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_lite.data.preprocess_ranks import (
     Piece,
     commit_part,
-    merge_parts,
+    committed_part,
+    finish,
+    forget_part,
     part_prefix,
     piece_blocks,
     rank_inputs,
     signature,
+    signature_fields,
+    tokenizer_fingerprint,
 )
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
 
@@ -67,6 +71,7 @@ POLICIES = {
                           "never as the token: no document boundary inside a document)",
 }
 TEXT_SPLITS = ("file", "blank-line")
+MAX_KEYS_SEEN = 50
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -83,6 +88,8 @@ class Summary:
     counts: dict[str, int] = field(default_factory=dict)
     first_locations: dict[str, list[str]] = field(default_factory=dict)
     separator_policy: str = ""
+    keys_seen: list[str] = field(default_factory=list)
+    """Keys of records skipped for a missing key (a typo in --json-keys shows here)."""
 
     def add(self, problem: str, where: str) -> None:
         self.counts[problem] = self.counts.get(problem, 0) + 1
@@ -221,9 +228,10 @@ def _decode(raw: bytes, where: str, problems: list[tuple[str, str]]) -> str:
     return text
 
 
-def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str]]
-                 ) -> dict[str, str] | None:
-    """The record's texts by key, or None (with the reason in ``problems``) when it is skipped."""
+def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str]],
+                 keys_seen: set[str] | None = None) -> dict[str, str] | None:
+    """The record's texts by key, or None (with the reason in ``problems``) when it is skipped;
+    the keys of a record skipped for a missing key go to ``keys_seen``."""
     if rec.kind == "values":
         obj = rec.raw
     elif rec.kind == "json":
@@ -250,6 +258,8 @@ def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str
     missing = [k for k in keys if k not in obj or obj[k] is None]
     if missing:
         problems.append(("missing key", rec.where))
+        if keys_seen is not None and len(keys_seen) < MAX_KEYS_SEEN:
+            keys_seen.update(str(k) for k in itertools.islice(obj, MAX_KEYS_SEEN))
         return None
     if not all(isinstance(obj[k], str) for k in keys):
         problems.append(("non-string value", rec.where))
@@ -294,7 +304,9 @@ def separator_policy(tokenizer: Tokenizer, append_eod: bool) -> SeparatorPolicy:
             return SeparatorPolicy(False, eos, "no separator (--append-eod not given), as Megatron-LM")
         return SeparatorPolicy(True, eos, f"end-of-document token {eos} appended to every document, "
                                           "as Megatron-LM's preprocess_data.py does", always=True)
-    short = tokenizer.encode("a")
+    # Only a tokenizer with a BOS or an EOS can add one; the others are not asked (a character
+    # vocabulary over DNA or digits cannot encode any fixed probe).
+    short = tokenizer.encode("a") if bos is not None or eos is not None else []
     adds_bos = bos is not None and len(short) > 0 and short[0] == bos
     adds_eos = eos is not None and len(short) > 0 and short[-1] == eos
     seps = tuple(t for t in (bos, eos) if t is not None)
@@ -384,13 +396,15 @@ def _expand(batch: list[Record]) -> Iterator[Record]:
 
 
 def encode_batch(batch: list[Record]):
-    """Worker task: records -> ({key: (flat tokens, lengths)}, documents, problems)."""
+    """Worker task: records -> ({key: (flat tokens, lengths)}, documents, problems, keys of
+    records without the keys asked for)."""
     assert _worker is not None
     tok, policy, keys, dtype, written = _worker
     problems: list[tuple[str, str]] = []
+    keys_seen: set[str] = set()
     docs, wheres = [], []
     for rec in _expand(batch):
-        doc = parse_record(rec, keys, problems)
+        doc = parse_record(rec, keys, problems, keys_seen)
         if doc is not None:
             docs.append(doc)
             wheres.append(rec.where)
@@ -416,7 +430,7 @@ def encode_batch(batch: list[Record]):
         for i in np.flatnonzero(dropped):
             problems.append(("doubled separator", wheres[i]))
         out[key] = (flat, lengths)
-    return out, len(docs), problems
+    return out, len(docs), problems, sorted(keys_seen)
 
 
 # ---------------------------------------------------------------- driver
@@ -425,49 +439,83 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
                tokenizer_type: str, tokenizer_model: str, append_eod: bool = False,
                workers: int = 1, text_split: str = "file", strict: bool = False,
                log: Callable[[str], None] = print, show_progress: bool | None = None,
-               split: str = "train", streaming: bool = False, rank: int = 0, world: int = 1) -> Summary:
+               split: str = "train", streaming: bool = False, rank: int = 0, world: int = 1,
+               wait: float = 0.0) -> Summary:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key.
     ``split`` and ``streaming`` apply to Hugging Face dataset inputs. With ``world`` ranks, this
-    rank writes its part of the input and the last rank to finish writes the whole dataset
-    (``preprocess_ranks.py``); the summary is this rank's, or the whole one where it merged."""
+    rank writes its part of the input, and returns only once the whole dataset is written and
+    verified (by the last rank to finish, ``preprocess_ranks.py``), waiting at most ``wait``
+    seconds for the other ranks: ``PartsPending`` when they have not finished by then. The
+    summary is the whole dataset's where known, else this rank's. A run that would write no
+    document raises, naming the keys its records have."""
     if text_split not in TEXT_SPLITS:
         raise PreprocessError(f"text split '{text_split}' is not one of {TEXT_SPLITS}")
     if not 0 <= rank < world:
         raise PreprocessError(f"rank {rank} is not in 0..{world - 1} (world size {world})")
     paths = expand_inputs(inputs)
     keys = tuple(json_keys)
-    if world > 1:
-        hub = [p for p in paths if isinstance(p, str)]
-        if hub:
-            raise PreprocessError(
-                f"{hub[0]} is a Hugging Face dataset: preprocessing on several ranks splits files; "
-                "run one rank for it, or save it as parquet/jsonl files and pass those")
-        options = {"keys": keys, "tokenizer": [tokenizer_type, str(Path(tokenizer_model).resolve())
-                                               if Path(tokenizer_model).exists() else tokenizer_model],
-                   "append_eod": append_eod, "text_split": text_split}
-        sig = signature(paths, world, options)
-        mine = rank_inputs(paths, rank, world)
-        summary = _preprocess(mine, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split,
-                              strict, show_progress, split, streaming,
-                              lambda key: part_prefix(output_prefix, key, rank, world))
-        commit_part(output_prefix, rank, world, sig, asdict(summary))
+    if world == 1:
+        summary = _preprocess(paths, keys, load_tokenizer(tokenizer_type, tokenizer_model), tokenizer_type,
+                              tokenizer_model, append_eod, workers, text_split, strict, show_progress,
+                              split, streaming, lambda key: f"{output_prefix}_{key}_document")
+        for line in format_summary(summary, output_prefix):
+            log(line)
+        return summary
+    hub = [p for p in paths if isinstance(p, str)]
+    if hub:
+        raise PreprocessError(
+            f"{hub[0]} is a Hugging Face dataset: preprocessing on several ranks splits files; "
+            "run one rank for it, or save it as parquet/jsonl files and pass those")
+    tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
+    fields = signature_fields(paths, world, keys, tokenizer_fingerprint(tokenizer_type, tokenizer_model),
+                              append_eod, text_split, separator_policy(tokenizer, append_eod).description)
+    sig = signature(fields)
+    reused = committed_part(output_prefix, keys, rank, world, sig)
+    if reused is not None:
+        summary = Summary(**reused)
+        log(f"rank {rank} of {world}: part already committed from the same inputs and options: reused")
+    else:
+        forget_part(output_prefix, rank, world)
+        summary = _preprocess(rank_inputs(paths, rank, world), keys, tokenizer, tokenizer_type,
+                              tokenizer_model, append_eod, workers, text_split, strict, show_progress,
+                              split, streaming, lambda key: part_prefix(output_prefix, key, rank, world),
+                              require_documents=False)  # a rank's share may be empty
+        commit_part(output_prefix, rank, world, sig, fields, asdict(summary))
         log(f"rank {rank} of {world}: {summary.documents:,} documents, "
             f"{sum(summary.tokens.values()):,} tokens from {summary.input_bytes / 2**20:,.1f} MiB "
             f"in {summary.seconds:.1f} s")
-        parts = merge_parts(output_prefix, keys, world, sig, log)
-        if parts is None:
-            log(f"rank {rank} of {world}: part written; the last rank to finish writes {output_prefix}_*")
-            return summary
-        whole = _sum_summaries([Summary(**p) for p in parts])
+
+    def require_documents(parts: list[dict]) -> None:
+        _require_documents(_sum_summaries([Summary(**p) for p in parts]), keys)
+
+    parts, merged = finish(output_prefix, keys, rank, world, sig, fields, wait, require_documents, log)
+    if parts is None:
+        log(f"rank {rank} of {world}: {output_prefix}_*_document written by another rank and verified")
+        return summary
+    whole = _sum_summaries([Summary(**p) for p in parts])
+    if merged:
         for line in format_summary(whole, output_prefix):
             log(line)
-        return whole
-    summary = _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split,
-                          strict, show_progress, split, streaming,
-                          lambda key: f"{output_prefix}_{key}_document")
-    for line in format_summary(summary, output_prefix):
-        log(line)
-    return summary
+    else:
+        log(f"rank {rank} of {world}: {output_prefix}_*_document written by another rank and verified "
+            f"({whole.documents:,} documents)")
+    return whole
+
+
+def _require_documents(summary: Summary, keys: Sequence[str]) -> None:
+    """A dataset of no documents is a mistake (a mistyped --json-keys, the wrong files): refuse
+    it, naming what the records hold."""
+    if summary.documents:
+        return
+    asked = ", ".join(map(repr, keys))
+    if summary.keys_seen:
+        raise PreprocessError(
+            f"no document written: no record has the key(s) {asked} (--json-keys); the records have "
+            f"the keys {', '.join(map(repr, summary.keys_seen))}")
+    if summary.counts:
+        why = ", ".join(f"{problem}: {n:,}" for problem, n in summary.counts.items())
+        raise PreprocessError(f"no document written: every record was skipped ({why})")
+    raise PreprocessError("no document written: the input holds no records")
 
 
 def _sum_summaries(parts: list[Summary]) -> Summary:
@@ -478,6 +526,7 @@ def _sum_summaries(parts: list[Summary]) -> Summary:
         whole.seconds = max(whole.seconds, part.seconds)
         for key, n in part.tokens.items():
             whole.tokens[key] += n
+        whole.keys_seen = sorted({*whole.keys_seen, *part.keys_seen})[:MAX_KEYS_SEEN]
         for problem, n in part.counts.items():
             whole.counts[problem] = whole.counts.get(problem, 0) + n
             locs = whole.first_locations.setdefault(problem, [])
@@ -485,9 +534,9 @@ def _sum_summaries(parts: list[Summary]) -> Summary:
     return whole
 
 
-def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, workers, text_split, strict,
-                show_progress, split, streaming, prefix_of: Callable[[str], str]) -> Summary:
-    tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
+def _preprocess(paths, keys, tokenizer: Tokenizer, tokenizer_type, tokenizer_model, append_eod, workers,
+                text_split, strict, show_progress, split, streaming, prefix_of: Callable[[str], str],
+                require_documents: bool = True) -> Summary:
     policy = separator_policy(tokenizer, append_eod)
     dtype = token_dtype(tokenizer.vocab_size)
     summary = Summary(separator_policy=policy.description, tokens={k: 0 for k in keys})
@@ -516,7 +565,9 @@ def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, worker
             results = map(encode_batch, batches)
         else:
             results = _in_order(pool, batches, ahead=4 * workers)
-        for out, n_docs, problems in results:
+        for out, n_docs, problems, keys_seen in results:
+            if keys_seen and len(summary.keys_seen) < MAX_KEYS_SEEN:
+                summary.keys_seen = sorted({*summary.keys_seen, *keys_seen})[:MAX_KEYS_SEEN]
             for problem, where in problems:
                 summary.add(problem, where)
                 if strict:
@@ -529,6 +580,8 @@ def _preprocess(paths, keys, tokenizer_type, tokenizer_model, append_eod, worker
                 secs = max(time.time() - start, 1e-9)
                 bar.set_postfix_str(f"{summary.documents / secs:,.0f} docs/s, "
                                     f"{sum(summary.tokens.values()) / secs:,.0f} tok/s", refresh=False)
+        if require_documents:
+            _require_documents(summary, keys)  # before anything is in place
         for w in writers.values():
             w.finalize()
     except BrokenProcessPool:

@@ -4,8 +4,10 @@ import gzip
 import json
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,3 +93,159 @@ def test_bad_ranks_and_hub_datasets_on_several_ranks_are_refused(tmp_path):
     with pytest.raises(PreprocessError, match="hf:wikitext is a Hugging Face dataset"):
         preprocess(["hf:wikitext"], *args[1:], rank=0, world=2, log=lambda *_: None)
     assert not list(tmp_path.glob("o*"))  # nothing written
+
+
+# ---------------------------------------------------------------- parts from separate jobs
+
+def _preprocess_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(tmp_path / "in.jsonl"),
+         "--output-prefix", str(tmp_path / "out" / "o"), "--tokenizer-type", "char",
+         "--tokenizer-model", str(tmp_path / "chars.json"), "--no-progress", *args],
+        cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    lines = [json.dumps({"text": f"a{'cab ' * (i + 3)}b{i}", "meta": i}) for i in range(12)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    CharTokenizer.build("".join(json.loads(line)["text"] for line in lines), tmp_path / "chars.json")
+    return tmp_path
+
+
+def _single_process_bytes(tmp_path) -> bytes:
+    preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "ref"), ["text"], "char",
+               str(tmp_path / "chars.json"), log=lambda *_: None, show_progress=False)
+    return b"".join((tmp_path / f"ref_text_document{s}").read_bytes() for s in (".bin", ".idx"))
+
+
+def _written(tmp_path) -> bytes:
+    return b"".join((tmp_path / "out" / f"o_text_document{s}").read_bytes() for s in (".bin", ".idx"))
+
+
+def test_a_part_from_another_tokenizer_is_never_merged(corpus):
+    first = _preprocess_cli(corpus, "--rank", "0", "--world-size", "2")
+    # One rank alone: its part is committed, the dataset is not written yet -- not a success.
+    assert first.returncode == 3, first.stdout + first.stderr
+    assert "part(s) 1" in first.stderr and "--rank 1 --world-size 2" in first.stderr
+    assert not (corpus / "out" / "o_text_document.bin").exists()
+    # The tokenizer is retrained in place (same file name, other ids), then the other rank runs.
+    chars = corpus / "chars.json"
+    chars.write_text(json.dumps(json.loads(chars.read_text())[::-1]))
+    second = _preprocess_cli(corpus, "--rank", "1", "--world-size", "2")
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert "part 0 of 2" in second.stderr and "tokenizer contents" in second.stderr
+    assert "--rank 0 --world-size 2" in second.stderr and len(second.stderr.strip().splitlines()) == 1
+    assert not (corpus / "out" / "o_text_document.bin").exists()
+    # Rank 0 again, with the tokenizer as it is now: it rebuilds its part and merges (rank 1's
+    # committed part is reused), giving the single-process bytes of the new tokenizer.
+    third = _preprocess_cli(corpus, "--rank", "0", "--world-size", "2")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert _written(corpus) == _single_process_bytes(corpus)
+    left = sorted(p.name for p in (corpus / "out").iterdir())
+    assert left == ["o_text_document.bin", "o_text_document.idx"]
+
+
+@pytest.mark.parametrize("change", ["tokenizer contents", "json keys", "append-eod", "text split", "inputs"])
+def test_the_signature_covers_everything_that_changes_the_bytes(tmp_path, change):
+    from megatron_lite.data.preprocess_ranks import (
+        differences,
+        signature,
+        signature_fields,
+        tokenizer_fingerprint,
+    )
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "ab"}\n')
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "model.safetensors").write_bytes(b"weights")  # not the tokenizer: not hashed
+
+    def fields(**kw):
+        args = dict(keys=["text"], append_eod=False, text_split="file")
+        args.update(kw)
+        return signature_fields([src], 2, args["keys"], tokenizer_fingerprint("huggingface", str(tok)),
+                                args["append_eod"], args["text_split"], "no separator")
+
+    before = fields()
+    (tok / "model.safetensors").write_bytes(b"other weights")
+    assert signature(fields()) == signature(before)
+    if change == "tokenizer contents":
+        (tok / "tokenizer.json").write_text('{"changed": 1}')
+        after = fields()
+    elif change == "inputs":
+        src.write_text('{"text": "abc"}\n')
+        after = fields()
+    else:
+        after = fields(**{"json keys": {"keys": ["body"]}, "append-eod": {"append_eod": True},
+                          "text split": {"text_split": "blank-line"}}[change])
+    assert signature(after) != signature(before)
+    assert differences(after, before).startswith(change.split(" (")[0])
+
+
+def test_a_stale_merge_lock_is_taken_over_or_refused_with_the_command(corpus):
+    out = corpus / "out"
+    out.mkdir()
+    lock = out / "o.merging"
+    # A lock of unknown holding (a merger killed before it wrote who it was), seen by a rank that
+    # may not wait: refused, naming the rm to run; nothing is merged or lost.
+    lock.touch()
+    assert _preprocess_cli(corpus, "--rank", "0", "--world-size", "2").returncode == 3
+    refused = _preprocess_cli(corpus, "--rank", "1", "--world-size", "2")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"rm {lock}" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert (out / "o.part-00000-of-00002.done.json").exists()
+    # A lock whose holder (a process on this host) is dead: taken over, the dataset written.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0}))
+    took = _preprocess_cli(corpus, "--rank", "1", "--world-size", "2")
+    assert took.returncode == 0, took.stdout + took.stderr
+    assert f"took over {lock}" in took.stdout and "reused" in took.stdout
+    assert _written(corpus) == _single_process_bytes(corpus)
+    assert not lock.exists()
+
+
+def test_an_unrefreshed_lock_is_taken_over_and_a_waiting_rank_sees_the_merge(corpus, monkeypatch):
+    from megatron_lite.data import preprocess_ranks
+
+    monkeypatch.setattr(preprocess_ranks, "LOCK_STALE_S", 1.0)
+    monkeypatch.setattr(preprocess_ranks, "POLL_S", 0.1)
+    (corpus / "out").mkdir()
+    (corpus / "out" / "o.merging").write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": 0}))
+    args = ([str(corpus / "in.jsonl")], str(corpus / "out" / "o"), ["text"], "char",
+            str(corpus / "chars.json"))
+    # Rank 0 waits in another process for rank 1's merge (its default wait under a launcher).
+    waiting = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", args[0][0], "--output-prefix",
+         args[1], "--tokenizer-type", "char", "--tokenizer-model", args[4], "--no-progress", "--rank", "0",
+         "--world-size", "2", "--wait", "120"],
+        cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (corpus / "out" / "o.part-00000-of-00002.done.json").exists():
+            assert waiting.poll() is None and time.monotonic() < deadline, waiting.stdout.read()
+            time.sleep(0.1)
+        logs = []
+        whole = preprocess(*args, rank=1, world=2, wait=30, log=logs.append, show_progress=False)
+        assert any("has not refreshed it" in line for line in logs), logs
+        assert whole.documents == 12
+        out, _ = waiting.communicate(timeout=60)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0, out
+    assert "written by another rank and verified (12 documents)" in out
+    assert _written(corpus) == _single_process_bytes(corpus)
+
+
+def test_a_typo_in_json_keys_writes_nothing_and_names_the_keys(corpus):
+    # One process, then two ranks (the whole run has no document: the last rank refuses to merge).
+    assert _preprocess_cli(corpus, "--json-keys", "txt", "--rank", "0", "--world-size", "2").returncode == 3
+    for ranks in ([], ["--rank", "1", "--world-size", "2"]):
+        proc = _preprocess_cli(corpus, "--json-keys", "txt", *ranks)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "no document written" in proc.stderr and "'txt'" in proc.stderr
+        assert "'meta', 'text'" in proc.stderr
+        assert not (corpus / "out" / "o_txt_document.bin").exists()
+        assert not (corpus / "out" / "o_txt_document.idx").exists()

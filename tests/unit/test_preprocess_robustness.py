@@ -168,3 +168,17 @@ def test_progress_bar_reports_rates(tmp_path, chars, capsys):
     err = capsys.readouterr().err
     assert _run_progress.documents == 100
     assert "preprocess" in err and "docs/s" in err and "tok/s" in err
+
+
+def test_a_char_vocabulary_without_the_letter_a_preprocesses(tmp_path):
+    # A DNA vocabulary: separator detection must not encode a probe the tokenizer cannot.
+    src = tmp_path / "dna.jsonl"
+    src.write_text('{"text": "ACGTTGCA"}\n{"text": "GGGTTTAAACCC"}\n')
+    (tmp_path / "chars.json").write_text('["A", "C", "G", "T"]')
+    proc = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(src),
+                           "--output-prefix", str(tmp_path / "dna"), "--tokenizer-type", "char",
+                           "--tokenizer-model", str(tmp_path / "chars.json"), "--no-progress"],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    texts = _texts(tmp_path / "dna_text_document", str(tmp_path / "chars.json"))
+    assert texts == ["ACGTTGCA", "GGGTTTAAACCC"]
