@@ -22,7 +22,7 @@ import torch
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.shards import (
     Assembler,
-    Fragment,
+    file_fragments,
     load_fragments,
     local_fragments,
 )
@@ -472,9 +472,14 @@ class Checkpointer:
         states = {}
         error = None
         try:
+            fragments = []
             for entry in manifest["files"]:
-                states[entry["name"]] = store.load_rank_file(path / entry["name"])
-            fragments = [Fragment.from_dict(d) for s in states.values() for d in s["fragments"]]
+                file = store.listed_file(path, entry)
+                states[entry["name"]] = store.load_rank_file(file)
+                try:
+                    fragments += file_fragments(states[entry["name"]], file.stat().st_size)
+                except ValueError as e:
+                    raise CheckpointError(f"{file}: {e}") from None
             load_fragments(self.engine, Assembler(fragments), manifest["step"])
         except Exception as e:
             error = CheckpointError(f"loading {path} failed on rank {self.dims.rank}: {e}")

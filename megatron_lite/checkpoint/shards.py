@@ -25,7 +25,7 @@ from torch import nn
 from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
-from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec
+from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec, whole_shape
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 
@@ -55,6 +55,47 @@ class Fragment:
         else:  # written before tiling: at most one tensor-parallel slice, under "shard"
             cuts = (tuple(d["shard"]),) if d["shard"] is not None else ()
         return Fragment(d["name"], tuple(d["slice_shape"]), cuts, d["start"], d["tensors"])
+
+    @property
+    def numel(self) -> int:
+        return self.tensors["param"].numel()
+
+    def check(self, file_bytes: int | None = None) -> None:
+        """Refuse a fragment whose recorded extent cannot be what its file holds, before any of
+        its data is read or anything is allocated for it: its tensors (``file_bytes``, the
+        file's real size, bounds them where given), the range ``start`` (``numel`` elements)
+        inside its piece, and the cuts. Otherwise a corrupt or planted file could have the loader
+        allocate terabytes for the piece or write outside it. ``ValueError`` naming the problem."""
+        keys = ("param", *STATE_KEYS)
+        tensors = self.tensors if isinstance(self.tensors, dict) else {}
+        if not all(isinstance(tensors.get(k), torch.Tensor) and tensors[k].dim() == 1
+                   and tensors[k].numel() == self.numel for k in keys):
+            raise ValueError(f"fragment of '{self.name}': {', '.join(keys)} are not 1-D tensors of "
+                             "one length")
+        size = max(self.tensors[k].numel() * self.tensors[k].element_size() for k in keys)
+        if file_bytes is not None and size > file_bytes:
+            raise ValueError(f"fragment of '{self.name}' records {size} bytes, more than its file's "
+                             f"{file_bytes}")
+        if not (all(isinstance(n, int) and n >= 0 for n in self.slice_shape)
+                and isinstance(self.start, int) and 0 <= self.start
+                and self.start + self.numel <= math.prod(self.slice_shape)):
+            raise ValueError(f"fragment of '{self.name}': elements {self.start}..{self.start + self.numel} "
+                             f"lie outside its piece of shape {list(self.slice_shape)}")
+        if not all(len(c) == 3 and all(isinstance(x, int) for x in c) and 0 <= c[0] < len(self.slice_shape)
+                   and 0 <= c[1] < c[2] for c in self.cuts):
+            raise ValueError(f"fragment of '{self.name}': cuts {list(self.cuts)} do not fit its piece "
+                             f"of shape {list(self.slice_shape)}")
+
+
+def file_fragments(state: dict, file_bytes: int) -> list[Fragment]:
+    """The fragments of one rank file's ``state``, each checked against ``file_bytes``, the
+    file's real size (``Fragment.check``)."""
+    out = []
+    for d in state["fragments"]:
+        fragment = Fragment.from_dict(d)
+        fragment.check(file_bytes)
+        out.append(fragment)
+    return out
 
 
 def _owned_parameters(module: nn.Module, dims: ParallelDims) -> Iterable[nn.Parameter]:
@@ -125,6 +166,7 @@ class Assembler:
     def __init__(self, fragments: Iterable[Fragment]):
         self.by_name: dict[str, list[Fragment]] = {}
         for f in fragments:
+            f.check()
             self.by_name.setdefault(f.name, []).append(f)
 
     def names(self) -> set[str]:
@@ -134,6 +176,7 @@ class Assembler:
         frags = self.by_name.get(name)
         if not frags:
             raise KeyError(f"the checkpoint has no parameter '{name}'")
+        self._check_extent(name, frags)
         pieces: dict[tuple[Cut, ...], torch.Tensor] = {}
         for f in frags:
             flat = pieces.setdefault(f.cuts, torch.full((math.prod(f.slice_shape),), math.nan))
@@ -145,6 +188,30 @@ class Assembler:
             raise ValueError(f"the checkpoint's fragments of '{name}' ({key}) do not cover it: "
                              "files are missing")
         return full
+
+    @staticmethod
+    def _check_extent(name: str, frags: list[Fragment]) -> None:
+        """Before anything is allocated for ``name``: its pieces and the whole are no larger than
+        the elements its fragments hold (which their files' real sizes bound), so a recorded
+        shape or cut count cannot make the loader allocate more than the checkpoint holds."""
+        by_piece: dict[tuple[Cut, ...], list[Fragment]] = {}
+        for f in frags:
+            by_piece.setdefault(f.cuts, []).append(f)
+        pieces = 0
+        for cuts, group in by_piece.items():
+            shapes = {f.slice_shape for f in group}
+            if len(shapes) > 1:
+                raise ValueError(f"the checkpoint's fragments of '{name}' disagree on the shape of "
+                                 f"piece {list(cuts)}: {sorted(shapes)}")
+            piece_numel = math.prod(group[0].slice_shape)
+            if piece_numel > sum(f.numel for f in group):
+                raise ValueError(f"the checkpoint's fragments of '{name}' do not cover it: files "
+                                 "are missing")
+            pieces += piece_numel
+        cuts, shape = next(iter(by_piece)), by_piece[next(iter(by_piece))][0].slice_shape
+        if math.prod(whole_shape(shape, cuts)) > pieces:
+            raise ValueError(f"the checkpoint's fragments of '{name}' do not cover it: files "
+                             "are missing")
 
 
 def _fit_vocabulary(where: ShardSpec, full: torch.Tensor) -> torch.Tensor:

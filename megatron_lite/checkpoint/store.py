@@ -154,14 +154,32 @@ def read_manifest(path: Path) -> dict:
             and isinstance(f.get("sha256"), str) for f in files)):
         raise CheckpointError(f"{file} is not a checkpoint manifest (no integer 'step', or 'files' "
                               "is not a list of name/bytes/sha256 entries)")
+    for entry in files:
+        listed_file(path, entry)
     return manifest
+
+
+def listed_file(path: Path, entry: dict) -> Path:
+    """The file a manifest entry names in checkpoint ``path``. Only a plain name is a file of
+    the checkpoint: a path (``../x``, ``/etc/passwd``, ``a/b``) would have verify and load read
+    whatever a planted or corrupt manifest points at, outside the checkpoint."""
+    name = entry["name"]
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if name in ("", ".", "..") or "\0" in name or any(s in name for s in separators):
+        raise CheckpointError(f"{path / MANIFEST}: file entry {name!r} is not a plain file name in "
+                              f"{path} (a path, which is never read); restore the manifest or "
+                              "resume from another checkpoint")
+    return path / name
 
 
 def verify(path: Path, manifest: dict, entries: list[dict] | None = None) -> None:
     """Every file listed (or just ``entries``, a share of the manifest's files) exists with its
-    size and SHA-256; the first problem is raised by name."""
+    size and SHA-256; the first problem is raised by name. An entry that is a path refuses the
+    whole manifest before any file is read (every rank's share alike)."""
+    for entry in manifest["files"]:
+        listed_file(path, entry)
     for entry in manifest["files"] if entries is None else entries:
-        file = path / entry["name"]
+        file = listed_file(path, entry)
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
         try:
@@ -275,7 +293,8 @@ def remove_stale(root: Path) -> list[Path]:
 
 def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
     """Rank 0: point ``latest`` at ``keep``, then move every committed checkpoint newer than
-    ``keep`` into ``root/abandoned/`` (suffixed with ``reason``). Returns the new paths.
+    ``keep`` into ``root/abandoned/`` (suffixed with ``reason``; ``.2``, ``.3``, ... after that
+    when the name is taken, so an earlier copy is never replaced). Returns the new paths.
 
     In this order a crash at any moment leaves ``latest`` naming a directory that exists (first
     the old newest, then ``keep``); the other order had a window where it named a moved one."""
@@ -291,12 +310,21 @@ def abandon_after(root: Path, keep: Path, reason: str) -> list[Path]:
     aside = root / "abandoned"
     for path in newer:
         aside.mkdir(exist_ok=True)
-        target = aside / f"{path.name}-{reason}"
-        shutil.rmtree(target, ignore_errors=True)
+        target = unused_name(aside / f"{path.name}-{reason}")
         os.replace(path, target)
         moved.append(target)
     fsync_dir(root)
     return moved
+
+
+def unused_name(path: Path) -> Path:
+    """``path``, or ``path.2``, ``path.3``, ... whichever does not exist yet. Rank 0 holds the
+    directory's lock (``claim``), so nothing else takes the name before it is used."""
+    k, candidate = 1, path
+    while candidate.exists() or candidate.is_symlink():
+        k += 1
+        candidate = path.with_name(f"{path.name}.{k}")
+    return candidate
 
 
 def read_rollbacks(root: Path) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,7 @@ def test_a_replaced_copy_whose_replacement_never_arrived_is_put_back(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
+import re
 from pathlib import Path
 from megatron_lite.checkpoint import store
 lock, _ = store.claim(Path(sys.argv[1]), fresh=False)
@@ -293,3 +295,134 @@ def test_architecture_check_names_differences_and_reads_older_manifests(tmp_path
     with pytest.raises(CheckpointError, match=f"model.n_layers: checkpoint {model.n_layers + 1}, "
                                               f"recipe {model.n_layers}"):
         chooser._check_architecture({**manifest, "model": older}, tmp_path)
+
+
+def _with_files(root, step, names):
+    """A committed-looking checkpoint whose manifest lists ``names`` (each with the size and
+    SHA-256 of a file outside the checkpoint, as a planted manifest would)."""
+    import hashlib
+    import json
+
+    outside = root / "outside.bin"
+    outside.write_bytes(b"not part of any checkpoint")
+    path = root / store.step_name(step)
+    (path / "a").mkdir(parents=True)
+    entry = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    manifest = {"format": store.FORMAT_VERSION, "step": step,
+                "files": [{"name": name, **entry} for name in names]}
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    (root / "latest").write_text(path.name + "\n")
+    return path, manifest
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "{root}/outside.bin", "a/../../outside.bin",
+                                  "a/rank_00000.pt", "..", "", "a\\b"])
+def test_a_manifest_entry_that_is_a_path_is_refused_on_verify_and_on_load(tmp_path, name):
+    name = name.format(root=tmp_path)
+    path, manifest = _with_files(tmp_path, 3, ["rank_00000.pt", name])
+    problem = f"file entry {name!r} is not a plain file name"
+    with pytest.raises(CheckpointError, match=re.escape(problem)) as verify_error:
+        store.verify(path, manifest)
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        store.read_manifest(path)
+    chooser, _ = _chooser(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(problem)) as load_error:
+        chooser.load()
+    for error in (verify_error, load_error):
+        assert "\n" not in str(error.value) and str(path / store.MANIFEST) in str(error.value)
+
+
+def test_a_manifest_entry_that_is_a_path_is_skipped_by_the_fallback(tmp_path):
+    _save(tmp_path, 2)
+    _with_files(tmp_path, 3, ["../outside.bin"])
+    chooser, messages = _chooser(tmp_path, "checkpoint.load_fallback=true")
+    assert _choose(chooser)[0].name == "step_00000002"
+    assert any("skipping" in m and "'../outside.bin' is not a plain file name" in m for m in messages)
+
+
+def _fragment(name="w", slice_shape=(8,), start=0, cuts=(), values=8):
+    import torch
+
+    values = torch.arange(float(values)) if isinstance(values, int) else values
+    return {"name": name, "slice_shape": list(slice_shape), "cuts": [list(c) for c in cuts],
+            "start": start, "tensors": {k: values for k in ("param", "exp_avg", "exp_avg_sq")}}
+
+
+def test_a_fragment_larger_than_its_file_is_refused_before_it_is_read(tmp_path):
+    """A tensor recorded with stride 0 claims a million elements from 4 bytes of file: loading
+    would take the recorded size as data. The load stops at the file, naming it."""
+    import torch
+
+    from megatron_lite.checkpoint.checkpointer import architecture
+    from megatron_lite.model import resolve_model
+
+    chooser, _ = _chooser(tmp_path)
+    chooser.model_cfg = resolve_model(chooser.cfg.model, 65, chooser.cfg.data.seq_length)
+    huge = torch.zeros(1).expand(1 << 20)
+    state = {"rank": 0, "rng": None, "trainer": None,
+             "fragments": [_fragment(slice_shape=(1 << 20,), values=huge)]}
+    tmp = tmp_path / ".tmp-step_00000003"
+    tmp.mkdir()
+    files = [store.write_rank_file(tmp, 0, state)]
+    store.commit(tmp_path, tmp, {"format": store.FORMAT_VERSION, "step": 3, "files": files,
+                                 "model": architecture(chooser.model_cfg),
+                                 "data": {"seq_length": chooser.cfg.data.seq_length}})
+    with pytest.raises(CheckpointError, match=r"step_00000003/rank_00000.pt: fragment of 'w' records "
+                                              r"4194304 bytes, more than its file's \d+"):
+        chooser.load()
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (dict(start=-4, values=4), r"elements -4\.\.0 lie outside its piece of shape \[8\]"),
+    (dict(start=4), r"elements 4\.\.12 lie outside its piece of shape \[8\]"),
+    (dict(cuts=((1, 0, 2),)), r"cuts \[\(1, 0, 2\)\] do not fit its piece of shape \[8\]"),
+    (dict(cuts=((0, 2, 2),)), r"cuts \[\(0, 2, 2\)\] do not fit"),
+])
+def test_a_fragment_outside_its_piece_is_refused(bad, problem):
+    """Without the check a negative start silently overwrites the end of the piece."""
+    from megatron_lite.checkpoint.shards import file_fragments
+
+    with pytest.raises(ValueError, match=problem):
+        file_fragments({"fragments": [_fragment(), _fragment(**bad)]}, file_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("bad", [dict(slice_shape=(1 << 40,)), dict(cuts=((0, 0, 1 << 40),))])
+def test_a_recorded_shape_larger_than_the_fragments_is_refused_before_anything_is_allocated(
+        bad, monkeypatch):
+    """A piece (or the whole, through its cuts) recorded larger than its fragments hold: without
+    the check the loader allocates it (4 TiB here) before finding the gaps."""
+    import torch
+
+    from megatron_lite.checkpoint.shards import Assembler, file_fragments
+
+    fragments = file_fragments({"fragments": [_fragment(**bad)]}, file_bytes=1 << 20)
+    allocated, real_full = [], torch.full
+
+    def full(size, *args, **kwargs):
+        allocated.append(size)
+        return real_full(size, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "full", full)
+    with pytest.raises(ValueError, match="fragments of 'w' do not cover it"):
+        Assembler(fragments).full("w", "param")
+    assert allocated == []
+    assembled = Assembler(file_fragments({"fragments": [_fragment()]}, file_bytes=1 << 20)).full("w", "param")
+    assert assembled.tolist() == list(range(8))
+
+
+def test_two_abandons_of_a_same_named_checkpoint_keep_both(tmp_path):
+    """Moved, never deleted: a second checkpoint newer than `latest` with the name of one moved
+    aside before (two interrupted commits of the same step) gets a name of its own."""
+    keep = _save(tmp_path, 2)
+    _save(tmp_path, 4, payload=b"first")
+    first = store.abandon_after(tmp_path, keep, "newer-than-latest")
+    _save(tmp_path, 4, payload=b"second")
+    second = store.abandon_after(tmp_path, keep, "newer-than-latest")
+    _save(tmp_path, 4, payload=b"third")
+    third = store.abandon_after(tmp_path, keep, "newer-than-latest")
+    assert [p.name for p in first + second + third] == [
+        "step_00000004-newer-than-latest", "step_00000004-newer-than-latest.2",
+        "step_00000004-newer-than-latest.3"]
+    payloads = [store.load_rank_file(p / "rank_00000.pt")["payload"] for p in first + second + third]
+    assert payloads == [b"first", b"second", b"third"]
+    assert store.read_latest(tmp_path) == keep
