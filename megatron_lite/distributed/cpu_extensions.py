@@ -1,14 +1,16 @@
-"""DeepSpeed's CPU communication op (``deepspeed_shm_comm``): where it is built, building it
-ahead of a run, and never waiting silently on a build lock.
+"""DeepSpeed's JIT-built ops (the CPU communication op ``deepspeed_shm_comm``, CPU Adam, async
+I/O, and on GPU hosts every op it uses): where they are built, building the CPU ones ahead of a
+run, and never waiting silently on a build lock.
 
-On the CPU accelerator DeepSpeed compiles this op the first time a process group starts (about
-a minute on two cores), through torch's JIT extension builder. That builder serialises builds
-with a ``lock`` file and waits, without a word and without end, while the file exists; a run
-stopped in the middle of a build (SIGTERM, SIGKILL) leaves the file behind and every later run
-hangs. Torch offers no staleness check, so this module does it: a lock whose build directory has
-not changed for ``STALE_AFTER_S`` is reported with its path and the fix.
+DeepSpeed compiles an op the first time a process needs it (about a minute each on two cores),
+through torch's JIT extension builder. That builder serialises builds with a ``lock`` file in
+the op's build directory and waits, without a word and without end, while the file exists, even
+for an op that is already built; a run stopped in the middle of a build (SIGTERM, SIGKILL)
+leaves the file behind and every later run hangs on it. Torch offers no staleness check, so
+``guard_op_builds`` puts one in front of every op build of the process: a lock whose build
+directory has not changed for ``STALE_AFTER_S`` is reported with its path and the fix.
 
-``build()`` builds the op ahead of any run (``make install`` calls it).
+``build()`` builds the CPU ops ahead of any run (``make install`` calls it).
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def use_environment_ninja() -> None:
         os.environ["PATH"] = os.pathsep.join([str(bin_dir), *path])
 
 
-def build_directory() -> Path:
-    """Where torch builds (and finds) the op. Torch computes this only in a private function
+def build_directory(name: str = OP) -> Path:
+    """Where torch builds (and finds) op ``name``. Torch computes this only in a private function
     (``cpp_extension._get_build_directory``, which also creates the folder); this mirrors its
     public parts: ``TORCH_EXTENSIONS_DIR``, else the default root and a python/device folder."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
-        return Path(root) / OP
+        return Path(root) / name
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -67,7 +69,7 @@ def build_directory() -> Path:
               else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda
               else f"rocm{torch.version.hip.replace('.', '')}")
     py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{py}_{device}" / OP
+    return Path(get_default_build_root()) / f"{py}_{device}" / name
 
 
 def _newest_change(directory: Path) -> float:
@@ -80,15 +82,17 @@ def _newest_change(directory: Path) -> float:
     return max(times)
 
 
-def wait_for_build(log: Callable[[str], None], stale_after: float = STALE_AFTER_S, poll: float = 1.0,
+def wait_for_build(log: Callable[[str], None], name: str = OP, directory: Path | None = None,
+                   stale_after: float = STALE_AFTER_S, poll: float = 1.0,
                    announce_every: float = ANNOUNCE_EVERY_S) -> None:
-    """Before DeepSpeed loads the op: say when it will be built, wait (saying so) while another
-    process builds it, and stop with the lock's path and the fix when the lock is stale."""
-    directory = build_directory()
+    """Before torch builds or loads op ``name`` (in ``directory``, by default torch's): say when
+    it will be built, wait (saying so) while another process builds it, and stop with the lock's
+    path and the fix when the lock is stale."""
+    directory = directory or build_directory(name)
     lock = directory / "lock"
-    if not (directory / f"{OP}.so").exists() and not lock.exists():
-        log(f"building DeepSpeed's CPU communication op {OP} in {directory} (once per environment; "
-            "about a minute; `make install` builds it ahead)")
+    if not lock.exists() and not (directory.is_dir() and any(directory.glob("*.so"))):
+        log(f"building DeepSpeed's {name} op in {directory} (once per environment; a minute or "
+            "more)")
     announced = None
     while lock.exists():
         try:
@@ -97,13 +101,26 @@ def wait_for_build(log: Callable[[str], None], stale_after: float = STALE_AFTER_
             break
         if idle > stale_after:
             raise StaleBuildLock(
-                f"{lock} is a build lock left by a stopped build of DeepSpeed's {OP} (nothing in "
+                f"{lock} is a build lock left by a stopped build of DeepSpeed's {name} op (nothing in "
                 f"{directory} has changed for {idle / 60:.0f} min); no build is running: remove it "
                 f"(rm {lock}) and start again")
         if announced is None or time.time() - announced > announce_every:
-            log(f"waiting for another process's build of DeepSpeed's {OP} to finish ({lock})")
+            log(f"waiting for another process's build of DeepSpeed's {name} op to finish ({lock})")
             announced = time.time()
         time.sleep(poll)
+
+
+def guard_op_builds(log: Callable[[str], None]) -> None:
+    """From now on in this process, every op DeepSpeed builds or loads just in time (the CPU
+    communication op, CPU Adam, async I/O, pinned memory, GPU ops: any op builder's) first goes
+    through ``wait_for_build``, so none can wait silently on a stale lock. Calling it again only
+    changes ``log``."""
+    from megatron_lite.distributed.deepspeed_internals import before_every_op_build
+
+    def guard(name: str, directory: str | None) -> None:
+        wait_for_build(log, name, Path(directory) if directory else None)
+
+    before_every_op_build(guard)
 
 
 def build() -> None:
@@ -112,7 +129,7 @@ def build() -> None:
     ``offload_params``) compiles on first use otherwise."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_environment_extensions_dir()
-    wait_for_build(print)
+    guard_op_builds(print)
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
 
     ShareMemCommBuilder().load()

@@ -16,11 +16,15 @@ Parameter attributes DeepSpeed reads:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_lite.distributed.parallel_dims import ParallelDims
+
+# How every op builder builds: torch's function, looked up when the build runs (before_every_op_build).
+OP_BUILD_CALL = "from torch.utils.cpp_extension import load"
 
 # Every private name relied on, where the installed release must still have it (module, object
 # in it or None for the module itself, the name; ``=value`` to compare a constant's value).
@@ -50,6 +54,7 @@ RELIED_ON = (
     ("deepspeed.utils.tensor_fragment", "tensor_fragment", "lp_fragment_address"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups"),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine", "get_tied_weights_and_groups"),
+    ("deepspeed.ops.op_builder.builder", "OpBuilder", OP_BUILD_CALL),
 )
 
 TENSOR_PARALLEL = "tensor_model_parallel"
@@ -76,6 +81,36 @@ def mark_pipeline_parameters(pipe: nn.Module, dims: ParallelDims, tied_copy: nn.
         setattr(p, PIPE_REPLICATED, p is tied_copy)
         if dims.tp_rank == 0:
             setattr(p, MODEL_PARALLEL, True)
+
+
+# ---------------------------------------------------------------- op builds
+_op_build_hooks: list[Callable[[str, str | None], None]] = []
+
+
+def before_every_op_build(hook: Callable[[str, str | None], None]) -> None:
+    """Run ``hook(name, build_directory or None)`` before every op DeepSpeed builds or loads just
+    in time, in place of the one given before. Every op builder's ``jit_load`` (``OpBuilder``'s,
+    which CPU, CUDA and HPU builders inherit, and XPU's own) imports torch's
+    ``cpp_extension.load`` when it runs (``OP_BUILD_CALL``) and calls it with the op's name, so
+    wrapping that function reaches every op, whichever copy of the builders (DeepSpeed's
+    ``ops.op_builder`` or a prebuilt ``op_builder``) it comes from."""
+    import inspect
+
+    import torch.utils.cpp_extension as cpp
+
+    _op_build_hooks[:] = [hook]
+    if getattr(cpp.load, "_runs_op_build_hook", False):
+        return
+    original, signature = cpp.load, inspect.signature(cpp.load)
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs).arguments
+        for run_hook in _op_build_hooks:
+            run_hook(arguments["name"], arguments.get("build_directory"))
+        return original(*args, **kwargs)
+
+    load.__doc__, load._runs_op_build_hook = original.__doc__, True
+    cpp.load = load
 
 
 # ---------------------------------------------------------------- the optimizer and its update

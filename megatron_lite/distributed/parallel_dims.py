@@ -307,10 +307,12 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
     # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
     collectives.set_default_timeout(timeout)
+    # Before DeepSpeed builds any op: the communication op on CPU (below), CPU Adam and async I/O
+    # with offload, its GPU ops; none may wait silently on a lock a stopped build left.
+    if acc.device_name() == "cpu":
+        cpu_extensions.use_environment_extensions_dir()
+    cpu_extensions.guard_op_builds(print if env.local_rank == 0 else (lambda _: None))
     if not dist.is_initialized():
-        if acc.device_name() == "cpu":  # DeepSpeed builds its CPU communication op on first use
-            cpu_extensions.use_environment_extensions_dir()
-            cpu_extensions.wait_for_build(print if env.local_rank == 0 else (lambda _: None))
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),

@@ -62,3 +62,89 @@ def test_ops_are_built_with_the_environments_ninja_even_when_it_is_not_activated
     assert shutil.which("ninja") == os.path.join(env_bin, "ninja")
     cpu_extensions.use_environment_extensions_dir()  # once only
     assert os.environ["PATH"].split(os.pathsep).count(env_bin) == 1
+
+
+def _stale_lock(root, name):
+    build = root / name
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    then = time.time() - 3600
+    for p in (build / "lock", build):
+        os.utime(p, (then, then))
+    return build / "lock"
+
+
+# Each op through DeepSpeed's own builder, as a run loads it: the guard stops at the stale lock
+# before torch would wait on it (and before anything compiles).
+_LOAD_OPS = """
+import sys
+from megatron_lite.distributed import cpu_extensions
+cpu_extensions.guard_op_builds(print)
+from deepspeed.ops.op_builder.cpu import (AsyncIOBuilder, CPUAdamBuilder, CPULionBuilder,
+                                          ShareMemCommBuilder)
+builders = [CPUAdamBuilder, ShareMemCommBuilder, CPULionBuilder]
+if AsyncIOBuilder().is_compatible(verbose=False):  # libaio present
+    builders.append(AsyncIOBuilder)
+for builder in builders:
+    try:
+        builder().load()
+        print("LOADED", builder.NAME)
+    except cpu_extensions.StaleBuildLock as e:
+        print("REFUSED", builder.NAME, e)
+"""
+
+
+def test_every_op_a_run_builds_stops_at_a_stale_lock_instead_of_waiting(tmp_path):
+    """CPU Adam, the CPU communication op, CPU Lion (any other op) and async I/O (where libaio
+    is installed): torch would wait on each lock forever, without a word."""
+    import subprocess
+    import sys
+
+    locks = {name: _stale_lock(tmp_path, name)
+             for name in ("cpu_adam", "deepspeed_shm_comm", "cpu_lion", "async_io")}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LOAD_OPS], env=env, capture_output=True,
+                              text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"an op build waited on a stale lock: {e.stdout}")
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    named = {line.split()[1] for line in refused}
+    assert named >= {"cpu_adam", "deepspeed_shm_comm", "cpu_lion"}, proc.stdout
+    assert "LOADED" not in proc.stdout
+    for line in refused:
+        lock = locks[line.split()[1]]
+        assert f"rm {lock})" in line and f"{line.split()[1]} op" in line, line
+        assert lock.exists()  # named, never removed behind the user's back
+
+
+def test_the_guard_uses_the_build_directory_a_build_names(tmp_path, monkeypatch):
+    """An op built into a directory of its own (``build_directory``): that directory's lock; once
+    the lock is gone the build goes ahead, announced once however often the guard was set."""
+    import torch.utils.cpp_extension as cpp
+
+    built = []
+
+    def load(name, sources, build_directory=None, verbose=False):  # torch's, without compiling
+        built.append(name)
+        return name
+
+    monkeypatch.setattr(cpp, "load", load)
+    from megatron_lite.distributed import deepspeed_internals
+
+    monkeypatch.setattr(deepspeed_internals, "_op_build_hooks", list(deepspeed_internals._op_build_hooks))
+    lock = _stale_lock(tmp_path / "elsewhere", "any_op")
+    said = []
+    cpu_extensions.guard_op_builds(said.append)
+    cpu_extensions.guard_op_builds(said.append)  # again: still one guard
+    with pytest.raises(cpu_extensions.StaleBuildLock, match=f"rm {lock}"):
+        cpp.load("any_op", [], str(lock.parent))
+    with pytest.raises(cpu_extensions.StaleBuildLock, match=f"rm {lock}"):
+        cpp.load(name="any_op", sources=[], build_directory=str(lock.parent))
+    assert built == []
+    lock.unlink()
+    assert cpp.load("any_op", [], build_directory=str(lock.parent)) == "any_op"
+    assert built == ["any_op"]
+    assert said == [f"building DeepSpeed's any_op op in {lock.parent} (once per environment; a "
+                    "minute or more)"]
