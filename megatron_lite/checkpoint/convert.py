@@ -9,12 +9,18 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import architecture
 from megatron_lite.checkpoint.shards import Assembler, Fragment
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
+
+# Model fields outside ``ModelConfig.ARCHITECTURE`` that an export needs to compute what the model
+# computes (and to write a config transformers accepts): the RoPE table's or learned positions'
+# length and the norms' epsilon.
+EXPORTED_BEYOND_ARCHITECTURE = ("max_seq_len", "norm_eps")
 
 
 def resolve(path: Path) -> Path:
@@ -41,8 +47,24 @@ def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
     # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
     weights = {name: assembler.full(name, "param")[:fields["vocab_size"]] if name in VOCAB_PARAMETERS
                else assembler.full(name, "param") for name in sorted(assembler.names())}
-    fields["max_seq_len"] = manifest.get("data", {}).get("seq_length") or fields.get("max_seq_len")
+    # An imported checkpoint records these fields; a trained one has them in its recipe, which
+    # (as resolve_model does) takes the data's sequence length for a null max_seq_len.
+    recipe = _recipe_model(manifest)
+    for name in EXPORTED_BEYOND_ARCHITECTURE:
+        if fields.get(name) is None and recipe.get(name) is not None:
+            fields[name] = recipe[name]
+    fields["max_seq_len"] = fields.get("max_seq_len") or manifest.get("data", {}).get("seq_length")
     return manifest, ModelConfig(**fields), weights
+
+
+def _recipe_model(manifest: dict) -> dict:
+    """The ``model`` section of the recipe a checkpoint was trained with ({} for none)."""
+    try:
+        recipe = yaml.safe_load(manifest.get("config") or "")
+    except yaml.YAMLError:
+        return {}
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    return model if isinstance(model, dict) else {}
 
 
 def export_hf(path: Path, out: Path, tokenizer: Path | None = None) -> Path:
@@ -72,12 +94,17 @@ def export_hf(path: Path, out: Path, tokenizer: Path | None = None) -> Path:
 
 
 def import_hf(hf_dir: Path, root: Path) -> Path:
-    """A step-0 checkpoint in ``root`` holding the weights of a Hugging Face Llama or GPT-2
-    directory (Adam moments zero): ``pretrain.py RECIPE checkpoint.dir=ROOT`` starts from it."""
-    from transformers import AutoModelForCausalLM
+    """A step-0 checkpoint in ``root`` holding the weights of a Hugging Face Llama, Qwen3 or GPT-2
+    directory (Adam moments zero): ``pretrain.py RECIPE checkpoint.dir=ROOT`` starts from it.
+    Its manifest records the model fields beyond the architecture that ``export_hf`` writes back,
+    so an import then export gives the original config's architecture fields."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_lite.model.hf_convert import from_hf
+    from megatron_lite.model.hf_convert import config_from_hf, from_hf
 
+    # What this model cannot compute is refused from the config alone, before gigabytes of
+    # weights are read.
+    config_from_hf(AutoConfig.from_pretrained(hf_dir))
     cfg, sd = from_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))
     fragments = []
     for name, tensor in sd.items():
@@ -95,7 +122,7 @@ def import_hf(hf_dir: Path, root: Path) -> Path:
     manifest = {
         "format": store.FORMAT_VERSION, "step": 0, "consumed_samples": 0, "consumed_tokens": 0,
         "topology": {"imported_from": str(hf_dir)},
-        "model": architecture(cfg),
+        "model": {**architecture(cfg), **{k: getattr(cfg, k) for k in EXPORTED_BEYOND_ARCHITECTURE}},
         "data": {"seq_length": None, "tokenizer": None}, "files": files,
         "config": json.dumps({"imported_from": str(hf_dir)}),
     }

@@ -21,44 +21,85 @@ from megatron_lite.model.transformer import VOCAB_PARAMETERS
 StateDict = dict[str, torch.Tensor]
 
 
-def _rope_theta(hf_config: Any) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"RoPE scaling {scaling} is not supported")
-    return float(getattr(hf_config, "rope_theta", 10000.0))
+def _refuse(model_type: str, refusals: list[str]) -> None:
+    """One error naming every such field at once: importing anyway would give a model whose
+    logits differ from transformers' without a word."""
+    if refusals:
+        raise ValueError(f"cannot import this {model_type} model exactly: " + "; ".join(refusals))
 
 
-def llama_config_from_hf(hf: Any) -> ModelConfig:
-    if bool(getattr(hf, "attention_bias", False)) != bool(getattr(hf, "mlp_bias", False)):
-        raise ValueError("Llama configs with biases in attention but not the MLP (or the reverse) "
-                         "are not supported: model.bias covers both")
+def _rope(hf: Any) -> tuple[float, list[str]]:
+    """(base frequency, refusals) of an HF config's RoPE, from whichever format carries it:
+    transformers ≥ 5's ``rope_parameters`` (theta inside; an older config.json's
+    ``rope_scaling`` is converted into it on load), or a transformers < 5 config's top-level
+    ``rope_theta`` with a ``rope_scaling`` dict (None when unscaled). This model rotates every
+    dimension of a head by unscaled frequencies: transformers' ``rope_type`` "default"."""
+    params = getattr(hf, "rope_parameters", None)
+    source = "rope_parameters"
+    if params is None:
+        source, params = "rope_scaling", getattr(hf, "rope_scaling", None)
+    params = dict(params or {})
+    refusals = []
+    # transformers < 4.45 named the rope type "type"; later versions keep both keys.
+    key = "rope_type" if "rope_type" in params else "type"
+    if params.get(key, "default") != "default":
+        refusals.append(f"{source}.{key}={params[key]!r} is not implemented (this model's RoPE is "
+                        "unscaled: rope_type 'default')")
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        refusals.append(f"{source}.partial_rotary_factor={params['partial_rotary_factor']!r} is not "
+                        "implemented (RoPE rotates the whole head)")
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    return float(10000.0 if theta is None else theta), refusals
+
+
+def _llama_family(hf: Any) -> tuple[ModelConfig, list[str]]:
+    """Our config for a Llama-style HF config, with the fields it carries that this model would
+    compute differently (the caller refuses them, with its own)."""
+    rope_theta, refusals = _rope(hf)
+    # Qwen3 and Llama before transformers 4.40 have no mlp_bias: their MLPs have no biases.
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    mlp_bias = bool(getattr(hf, "mlp_bias", False))
+    if attention_bias != mlp_bias:
+        mlp = f"mlp_bias={mlp_bias}" if hasattr(hf, "mlp_bias") else "an MLP without biases"
+        refusals.append(f"attention_bias={attention_bias} with {mlp} is not implemented "
+                        "(model.bias puts biases in both or neither)")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError(f"{hf.model_type} head_dim {head_dim} × {hf.num_attention_heads} heads is not the "
-                         f"hidden size {hf.hidden_size}: this model's head width is d_model / n_heads")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ValueError(f"{hf.model_type} hidden_act '{hf.hidden_act}' is not supported; "
-                         "model.activation=swiglu is SiLU-gated ('silu')")
-    return ModelConfig(
+        refusals.append(f"head_dim={head_dim} is not implemented (a head here is hidden_size / "
+                        f"num_attention_heads = {hf.hidden_size / hf.num_attention_heads:g} wide)")
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        refusals.append(f"hidden_act={act!r} is not implemented (model.activation=swiglu is SiLU-gated: "
+                        "'silu')")
+    # Per-layer attention kinds (sliding windows, chunked attention): every layer here is full causal.
+    other = sorted({t for t in getattr(hf, "layer_types", None) or () if t != "full_attention"})
+    if other:
+        refusals.append(f"layer_types with {', '.join(map(repr, other))} is not implemented "
+                        "(every layer's attention is full and causal)")
+    cfg = ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size,
         ffn_hidden=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
-        position="rope", rope_theta=_rope_theta(hf), norm="rmsnorm", norm_eps=hf.rms_norm_eps,
-        activation="swiglu", bias=bool(getattr(hf, "attention_bias", False)),
+        position="rope", rope_theta=rope_theta, norm="rmsnorm", norm_eps=hf.rms_norm_eps,
+        activation="swiglu", bias=attention_bias,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
     )
+    return cfg, refusals
+
+
+def llama_config_from_hf(hf: Any) -> ModelConfig:
+    cfg, refusals = _llama_family(hf)
+    _refuse(hf.model_type, refusals)
+    return cfg
 
 
 def qwen3_config_from_hf(hf: Any) -> ModelConfig:
+    cfg, refusals = _llama_family(hf)
     if getattr(hf, "use_sliding_window", False):
-        raise ValueError("Qwen3 configs with sliding-window attention are not supported")
-    if getattr(hf, "attention_bias", False):
-        raise ValueError("Qwen3 configs with attention biases are not supported (its MLP has none; "
-                         "model.bias covers both)")
-    return dataclasses.replace(llama_config_from_hf(hf), qk_norm=True)
+        refusals.append("use_sliding_window=True is not implemented (every layer's attention is full "
+                        "and causal)")
+    _refuse(hf.model_type, refusals)
+    return dataclasses.replace(cfg, qk_norm=True)
 
 
 # transformers' GPT-2 activation names -> ours. Its "gelu" is the exact (erf) form; "gelu_new" and
@@ -67,14 +108,20 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "ge
 
 
 def gpt2_config_from_hf(hf: Any) -> ModelConfig:
+    refusals = []
     activation = GPT2_ACTIVATIONS.get(hf.activation_function)
     if activation is None:
-        raise ValueError(f"GPT-2 activation_function '{hf.activation_function}' is not supported; "
-                         f"choose one of {sorted(GPT2_ACTIVATIONS)}")
-    if not getattr(hf, "scale_attn_weights", True) or getattr(hf, "scale_attn_by_inverse_layer_idx", False):
-        raise ValueError("GPT-2 configs that scale attention other than by 1/sqrt(head width) "
-                         "(scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true) "
-                         "are not supported")
+        refusals.append(f"activation_function={hf.activation_function!r} is not implemented; choose one "
+                        f"of {sorted(GPT2_ACTIVATIONS)}")
+    scaled = "attention scores are scaled by 1/sqrt(head width) alone"
+    for name, implemented, why in (
+            ("scale_attn_weights", True, scaled), ("scale_attn_by_inverse_layer_idx", False, scaled),
+            ("reorder_and_upcast_attn", False, "attention scores are computed in the model's precision"),
+            ("add_cross_attention", False, "there is no encoder to attend to")):
+        value = bool(getattr(hf, name, implemented))
+        if value != implemented:
+            refusals.append(f"{name}={value} is not implemented ({why})")
+    _refuse(hf.model_type, refusals)
     return ModelConfig(
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.n_layer, n_heads=hf.n_head,
         d_model=hf.n_embd, ffn_hidden=hf.n_inner or 4 * hf.n_embd, max_seq_len=hf.n_positions,
@@ -166,21 +213,22 @@ def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     return out
 
 
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """Our config for a transformers Llama / Qwen3 / GPT-2 config; refuses, naming each, every
+    field this model would compute differently."""
+    converters = {"llama": llama_config_from_hf, "qwen3": qwen3_config_from_hf, "gpt2": gpt2_config_from_hf}
+    kind = hf_config.model_type
+    if kind not in converters:
+        raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen3' or 'gpt2' model")
+    return converters[kind](hf_config)
+
+
 def from_hf(hf_model: Any) -> tuple[ModelConfig, StateDict]:
     """Config and state dict of ours for a transformers ``LlamaForCausalLM``/``Qwen3ForCausalLM``/
     ``GPT2LMHeadModel``."""
-    kind = hf_model.config.model_type
-    sd = hf_model.state_dict()
-    if kind == "llama":
-        cfg = llama_config_from_hf(hf_model.config)
-        return cfg, llama_from_hf(sd, cfg)
-    if kind == "qwen3":
-        cfg = qwen3_config_from_hf(hf_model.config)
-        return cfg, llama_from_hf(sd, cfg)
-    if kind == "gpt2":
-        cfg = gpt2_config_from_hf(hf_model.config)
-        return cfg, gpt2_from_hf(sd, cfg)
-    raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen3' or 'gpt2' model")
+    cfg = config_from_hf(hf_model.config)
+    convert = gpt2_from_hf if cfg.position == "learned" else llama_from_hf
+    return cfg, convert(hf_model.state_dict(), cfg)
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
@@ -211,8 +259,10 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
         cfg = dataclasses.replace(cfg, vocab_size=used)
     _check_exportable(cfg)
     if cfg.position == "learned":
+        # n_inner None is GPT-2's own spelling of 4·n_embd: an imported config comes back as it was.
+        n_inner = None if cfg.mlp_hidden == 4 * cfg.d_model else cfg.mlp_hidden
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-                            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.mlp_hidden,
+                            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=n_inner,
                             layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                             activation_function="gelu_new" if cfg.activation == "gelu" else "gelu")
         return hf_cfg, gpt2_to_hf(sd, cfg)

@@ -1,8 +1,11 @@
-"""Export a trained checkpoint to Hugging Face transformers and import it back."""
+"""Export a trained checkpoint to Hugging Face transformers and import it back; import a
+transformers model and export it back; refuse what our model would compute differently."""
 
+import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_lite.checkpoint.convert import read_model
@@ -11,6 +14,7 @@ from tests.conftest import REPO, char_overrides, check, cpu_env, run_pretrain
 
 LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
          "model.tie_embeddings=false", "model.n_kv_heads=2", "model.n_layers=2", "model.d_model=64",
+         "model.norm_eps=1e-6", "model.max_seq_len=96",
          "training.iters=3", "training.micro_batch_size=4", "training.global_batch_size=4",
          "training.eval_iters=1", "training.sample_tokens=0"]
 
@@ -28,6 +32,9 @@ def test_hf_export_matches_our_logits_and_imports_back(tmp_path):
                         f"checkpoint.dir={ck}"]))
     _convert("--to", "hf", str(ck), str(tmp_path / "hf"))
     assert (tmp_path / "hf/model.safetensors").is_file() and (tmp_path / "hf/config.json").is_file()
+    # Fields the checkpoint's architecture leaves out come from the recipe it was trained with.
+    exported = json.loads((tmp_path / "hf/config.json").read_text())
+    assert (exported["rms_norm_eps"], exported["max_position_embeddings"]) == (1e-6, 96)
 
     _, cfg, weights = read_model(ck)
     ours = build_model(cfg).eval()
@@ -56,4 +63,75 @@ def test_a_hub_model_id_without_network_is_one_line_naming_it(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: openai-community/gpt2: "), proc.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+# Written by transformers from the config alone, not what the model computes.
+NOT_ARCHITECTURE = {"transformers_version", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "use_cache", "initializer_range"}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _save_tiny_llama(out, **kwargs):
+    """A small random Llama with non-default sizes, epsilon and base frequency, every weight
+    perturbed (random init leaves norms at one), saved as transformers saves it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{
+        "vocab_size": 97, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 96,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": False,
+        **kwargs})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return model
+
+
+def test_hf_import_then_export_gives_the_same_config_and_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    original = _save_tiny_llama(tmp_path / "hf")
+    _convert("--from", "hf", str(tmp_path / "hf"), str(tmp_path / "ck"))
+    _convert("--to", "hf", str(tmp_path / "ck"), str(tmp_path / "back"))
+
+    before = json.loads((tmp_path / "hf/config.json").read_text())
+    after = json.loads((tmp_path / "back/config.json").read_text())
+    for field in sorted((before.keys() | after.keys()) - NOT_ARCHITECTURE):
+        assert after.get(field) == before.get(field), field
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, original(tokens).logits, rtol=0, atol=1e-5)
+
+
+def _older_config_json(hf_dir):
+    """The same config as transformers < 5 wrote it: rope_theta at the top, a rope_scaling dict."""
+    path = hf_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope
+    cfg["transformers_version"] = "4.46.0"
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["rope_parameters", "rope_scaling"])
+def test_llama3_rope_scaling_is_refused_in_one_line_naming_it(tmp_path, older):
+    _save_tiny_llama(tmp_path / "hf", rope_parameters=LLAMA3_ROPE)
+    if older:
+        _older_config_json(tmp_path / "hf")
+    proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--from", "hf",
+                           str(tmp_path / "hf"), str(tmp_path / "ck")], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    # Only the last line is ours: importing transformers may log warnings of its own first.
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {tmp_path / 'hf'}: "), proc.stderr
+    assert "rope_parameters.rope_type='llama3' is not implemented" in last, proc.stderr
     assert not (tmp_path / "ck").exists()

@@ -2,6 +2,7 @@
 logits from converted weights."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,15 +16,23 @@ from transformers import (
 )
 
 from megatron_lite.model import build_model
-from megatron_lite.model.hf_convert import from_hf, to_hf
+from megatron_lite.model.hf_convert import config_from_hf, from_hf, to_hf
+
+LLAMA = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
 
 
-def _tiny_llama() -> LlamaForCausalLM:
+def _tiny_llama(**kwargs) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                      rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False)
+    cfg = LlamaConfig(**{**LLAMA, "rope_theta": 500000.0, "tie_word_embeddings": False, **kwargs})
     return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_llama_biased() -> LlamaForCausalLM:
+    """attention_bias and mlp_bias together are model.bias."""
+    return _tiny_llama(attention_bias=True, mlp_bias=True)
 
 
 def _tiny_qwen3() -> Qwen3ForCausalLM:
@@ -46,8 +55,8 @@ def _tiny_gpt2_exact_gelu_untied() -> GPT2LMHeadModel:
     return _tiny_gpt2(activation_function="gelu", tie_word_embeddings=False)
 
 
-MODELS = [_tiny_llama, _tiny_qwen3, _tiny_gpt2, _tiny_gpt2_exact_gelu_untied]
-IDS = ["llama-gqa", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
+MODELS = [_tiny_llama, _tiny_llama_biased, _tiny_qwen3, _tiny_gpt2, _tiny_gpt2_exact_gelu_untied]
+IDS = ["llama-gqa", "llama-biased", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
 
 
 def _perturbed(hf):
@@ -84,10 +93,26 @@ def test_round_trip_to_transformers(make_hf):
         torch.testing.assert_close(rebuilt(tokens).logits, hf(tokens).logits, rtol=0, atol=1e-5)
 
 
+# Bookkeeping and training-time dropout: not what the model computes at inference.
+NOT_ARCHITECTURE = {"transformers_version", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "use_cache", "initializer_range", "attn_pdrop", "resid_pdrop", "embd_pdrop"}
+
+
+@pytest.mark.parametrize("make_hf", MODELS, ids=IDS)
+def test_export_writes_back_every_architecture_field_it_imported(make_hf):
+    hf = make_hf()
+    hf_cfg, _ = to_hf(*reversed(from_hf(hf)))
+    before, after = hf.config.to_dict(), hf_cfg.to_dict()
+    for field in sorted((before.keys() | after.keys()) - NOT_ARCHITECTURE):
+        assert after.get(field) == before.get(field), field
+
+
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(activation_function="relu"), "activation_function 'relu'"),
-    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
-    (dict(scale_attn_weights=False), "scale_attn_weights"),
+    (dict(activation_function="relu"), "activation_function='relu' is not implemented"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True is not implemented"),
+    (dict(scale_attn_weights=False), "scale_attn_weights=False is not implemented"),
+    (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True is not implemented"),
+    (dict(add_cross_attention=True), "add_cross_attention=True is not implemented"),
 ])
 def test_gpt2_variants_we_would_compute_differently_are_refused(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -97,8 +122,69 @@ def test_gpt2_variants_we_would_compute_differently_are_refused(kwargs, named):
 def test_llama_with_another_activation_is_refused():
     hf = _tiny_llama()
     hf.config.hidden_act = "gelu"
-    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not implemented"):
         from_hf(hf)
+
+
+def _transformers4_llama(**fields) -> SimpleNamespace:
+    """A Llama config as transformers < 5 gives it: ``rope_theta`` at the top and ``rope_scaling``
+    a dict or None, no ``rope_parameters``."""
+    return SimpleNamespace(**{**LLAMA, "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
+                              "mlp_bias": False, "tie_word_embeddings": False, "rope_theta": 500000.0,
+                              "rope_scaling": None, **fields})
+
+
+@pytest.mark.parametrize("make_config, named", [
+    (lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}),
+     "rope_parameters.rope_type='llama3' is not implemented"),
+    # An older config.json's rope_scaling: transformers 5 moves it into rope_parameters.
+    (lambda: LlamaConfig(**LLAMA, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+     "rope_parameters.rope_type='llama3' is not implemented"),
+    (lambda: LlamaConfig(**LLAMA, rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_parameters.rope_type='linear' is not implemented"),
+    (lambda: _transformers4_llama(rope_scaling=LLAMA3_ROPE),
+     "rope_scaling.rope_type='llama3' is not implemented"),
+    (lambda: _transformers4_llama(rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling.type='dynamic' is not implemented"),
+    (lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                   "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor=0.5 is not implemented"),
+], ids=["rope_parameters", "rope_scaling-in-config.json", "old-type-key", "transformers4-rope_scaling",
+        "transformers4-type-key", "partial-rotary"])
+def test_scaled_or_partial_rope_is_refused_in_every_config_format(make_config, named):
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(make_config())
+
+
+def test_unscaled_rope_theta_is_read_from_every_config_format():
+    assert config_from_hf(_transformers4_llama()).rope_theta == 500000.0
+    assert config_from_hf(_transformers4_llama(rope_scaling={"rope_type": "default"})).rope_theta == 500000.0
+    assert config_from_hf(LlamaConfig(**LLAMA, rope_theta=250000.0)).rope_theta == 250000.0
+
+
+def test_every_field_this_model_does_not_implement_is_named_in_one_line():
+    hf = LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}, attention_bias=True,
+                     head_dim=16, hidden_act="gelu")
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+    message = str(err.value)
+    assert "\n" not in message
+    for named in ("rope_parameters.rope_type='llama3'", "attention_bias=True with mlp_bias=False",
+                  "head_dim=16", "hidden_act='gelu'"):
+        assert named in message
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(use_sliding_window=True, max_window_layers=1), "use_sliding_window=True is not implemented"),
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     "layer_types with 'sliding_attention' is not implemented"),
+    (dict(attention_bias=True), "attention_bias=True with an MLP without biases is not implemented"),
+    (dict(head_dim=16), "head_dim=16 is not implemented"),
+])
+def test_qwen3_variants_we_would_compute_differently_are_refused(kwargs, named):
+    cfg = Qwen3Config(**{**LLAMA, "head_dim": 8, **kwargs})
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(cfg)
 
 
 def test_export_refuses_a_model_its_target_class_would_compute_differently():
