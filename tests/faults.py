@@ -15,7 +15,8 @@ function right after its module is imported:
   keeps a background save in flight).
 - ``FAULT_SAVE_ENOSPC=STEP[,STEP...]``: the first save of each of those steps fails with
   ENOSPC (a full checkpoint filesystem at those moments; every rank's file).
-- ``FAULT_SAMPLE_ERROR=1``: generating a text sample raises.
+- ``FAULT_SAMPLE_ERROR=TOKEN[:RANK]``: picking the TOKEN-th token of a text sample (counted over
+  the run, from 1; after the model's forward) raises on RANK (every rank without it).
 - ``FAULT_KILL_TOKENIZER_ON=TEXT``: a preprocessing worker process SIGKILLs itself when its batch
   holds TEXT (the out-of-memory killer on a huge line).
 - ``FAULT_SLOW_DATA=START:END:SECONDS[:RANK]``: reading each of training samples START..END-1
@@ -228,11 +229,20 @@ def _kill_tokenizer_on(preprocess) -> None:
     preprocess.encode_batch = encode_or_die
 
 
-def _sample_error(evaluator) -> None:
-    def broken_sample(*args, **kwargs):
-        raise IndexError("list index out of range (injected)")
+def _sample_error(generate) -> None:
+    token, *only = (int(x) for x in os.environ["FAULT_SAMPLE_ERROR"].split(":"))
+    pick = generate.pick
+    calls = 0
 
-    evaluator.sample = broken_sample  # the module's name for training/generate.py's sample
+    @functools.wraps(pick)
+    def broken_pick(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == token and (not only or only[0] == int(os.environ.get("RANK", "0"))):
+            raise IndexError("list index out of range (injected)")
+        return pick(*args, **kwargs)
+
+    generate.pick = broken_pick
 
 
 def _no_space(*_args, **_kwargs):
@@ -279,7 +289,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
-    "FAULT_SAMPLE_ERROR": ("megatron_lite.training.evaluator", _sample_error),
+    "FAULT_SAMPLE_ERROR": ("megatron_lite.training.generate", _sample_error),
     "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),

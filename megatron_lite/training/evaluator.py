@@ -11,7 +11,13 @@ import torch
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.data.source import DataSource
-from megatron_lite.distributed.collectives import first_line, mean_over_ranks
+from megatron_lite.distributed.collectives import (
+    CollectiveError,
+    first_line,
+    mean_over_ranks,
+    on_every_rank,
+    raise_together,
+)
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.training.build import Components
@@ -34,6 +40,8 @@ class Evaluator:
         val = self.loss()
         try:
             text = self.sample()
+        except CollectiveError:
+            raise  # the ranks no longer agree: training cannot go on either
         except Exception as e:  # a sample is for reading; it never fails a run
             text = None
             self.log(f"warning: sampling at step {step} failed ({type(e).__name__}: {first_line(e)}); "
@@ -59,9 +67,11 @@ class Evaluator:
         engine.eval()
         total = torch.zeros((), device=device)
         n = cfg.training.eval_iters
-        for _ in range(n):
-            total += self.parts.steps.eval_loss(batches, device)
-        engine.train()
+        try:
+            for _ in range(n):
+                total += self.parts.steps.eval_loss(batches, device)
+        finally:  # dropout and activation checkpointing come back whatever happened
+            engine.train()
         return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
 
     def sample(self) -> str | None:
@@ -72,10 +82,15 @@ class Evaluator:
         if p.pipeline > 1 or p.ulysses > 1 or (p.sequence_parallel and p.tensor > 1):
             return None  # generation runs whole prompts through one model replica
         tok = self.data.tokenizer
+        prompt = on_every_rank(lambda: list(tok.encode(t.sample_prompt)), self.dims,
+                               "encoding the sample prompt")
         model = self.parts.engine.module
         was_training = model.training
         model.eval()
-        ids = sample(model, tok.encode(t.sample_prompt), t.sample_tokens, self.cfg.data.seq_length,
-                     t.sample_temperature, t.sample_top_k, t.seed, self.parts.device)
-        model.train(was_training)
+        try:
+            ids = sample(model, prompt, t.sample_tokens, self.cfg.data.seq_length, t.sample_temperature,
+                         t.sample_top_k, t.seed, self.parts.device,
+                         agree=lambda error: raise_together(error, self.dims, "the text sample"))
+        finally:  # a failed sample must not leave the rest of the run without dropout
+            model.train(was_training)
         return t.sample_prompt + tok.decode(ids)

@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """The next token from the last position's logits (1, V): greedy at temperature 0, else drawn
+    from the top-k of the softmax. Returns (1, 1)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+
+
 @torch.no_grad()
 def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: int,
-           temperature: float, top_k: int, seed: int, device: torch.device) -> list[int]:
+           temperature: float, top_k: int, seed: int, device: torch.device,
+           agree: Callable[[BaseException | None], None] = _raise) -> list[int]:
     """Autoregressive sampling (no KV cache: samples are short and this runs rarely).
 
-    Every rank calls this with the same seed so that sharded (ZeRO-3) parameters can be gathered.
+    Every rank calls this with the same seed so that sharded (ZeRO-3) and tensor-parallel
+    parameters can be gathered. ``agree`` gets each token's error or None and raises on every
+    rank if any rank failed (``raise_together``), so a rank that fails outside the model's own
+    collectives (picking the token: NaN probabilities) leaves no other inside the next token's.
+    A rank that fails inside them leaves the others there until the collective timeout; the
+    agreement then fails with ``CollectiveError``, which ends the run on every rank.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(tokens[:, -max_len:])[:, -1, :].float().cpu()  # (1, V)
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        try:
+            logits = model(tokens[:, -max_len:])[:, -1, :].float().cpu()  # (1, V)
+            nxt, error = pick(logits, temperature, top_k, gen), None
+        except Exception as e:  # re-raised by agree, on every rank
+            nxt, error = None, e
+        agree(error)
         tokens = torch.cat([tokens, nxt.to(device)], dim=1)
     return tokens[0, len(prompt):].tolist()
