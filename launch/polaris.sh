@@ -11,7 +11,8 @@
 #   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES="training.iters=100" launch/polaris.sh
 #   qsub -A PROJECT -v RECIPE=recipes/gpt2-124m.yaml,OVERRIDES_FILE=$PWD/my.overrides launch/polaris.sh
 #   launch/polaris.sh RECIPE [overrides]            # inside an interactive job (qsub -I ...)
-#   launch/polaris.sh --dry-run RECIPE [overrides]  # print the environment and command only
+#   launch/polaris.sh --dry-run RECIPE [overrides]  # check the recipe and overrides, print the
+#                                                   # environment and command (before qsub)
 #   CHECK=1 launch/polaris.sh [RECIPE [overrides]]  # check ranks, groups and network first
 #                                                   # (tools/check_dist.py instead of training)
 #
@@ -53,14 +54,26 @@ if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
     done < "$OVERRIDES_FILE"
 elif [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then
     # Shell quoting rules without a shell's expansions (no eval): a quoted value keeps its spaces.
-    mapfile -d '' -t OVERRIDES_ARR < <("${PYTHON:-python}" -c \
-        'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "$OVERRIDES")
+    # A process substitution's failure does not stop the script by itself: `wait $!` collects
+    # its status, so an OVERRIDES that cannot be split stops the job instead of training the
+    # recipe without the overrides.
+    mapfile -d '' -t OVERRIDES_ARR < <("${PYTHON:-python}" -c '
+import shlex, sys
+try:
+    words = shlex.split(sys.argv[1])
+except ValueError as e:
+    sys.stderr.write(f"error: OVERRIDES={sys.argv[1]!r} cannot be split as a shell splits it ({e}): "
+                     "balance its quotes, or put the overrides in OVERRIDES_FILE, one per line\n")
+    sys.exit(2)
+sys.stdout.write("".join(w + "\0" for w in words))' "$OVERRIDES")
+    wait $! || exit 2
 fi
 
 NODEFILE="${PBS_NODEFILE:-}"
 if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
 NNODES=$([[ -n "$NODEFILE" ]] && sort -u "$NODEFILE" | grep -c . || echo 1)
 PPN="${NGPUS_PER_NODE:-4}"
+[[ "$PPN" =~ ^[1-9][0-9]*$ ]] || { echo "error: NGPUS_PER_NODE=$PPN: give the ranks per node, a positive integer" >&2; exit 2; }
 NRANKS=$((NNODES * PPN))
 MASTER_ADDR=$([[ -n "$NODEFILE" ]] && head -n 1 "$NODEFILE" || hostname)
 export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
@@ -98,6 +111,13 @@ if [[ -n "$LEFT_S" ]]; then
     if ((SIGNAL_AFTER_S > 0)) && [[ " ${OVERRIDES_ARR[*]:-} " != *" training.exit_duration_mins="* ]]; then
         OVERRIDES_ARR+=("training.exit_duration_mins=$((SIGNAL_AFTER_S / 60))")
     fi
+fi
+
+# The recipe and overrides are checked here, once, before mpiexec starts a rank: a typo found
+# by every rank after the job has waited in the queue would cost the allocation (and the
+# launch a traceback per rank). `--dry-run` before qsub runs the same check without a job.
+if [[ "$PROGRAM" == pretrain.py ]]; then
+    "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}" --print-config > /dev/null || exit 2
 fi
 
 FLAVOR="${MPI_FLAVOR:-}"

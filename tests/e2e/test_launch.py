@@ -5,20 +5,35 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, char_overrides, cpu_env, read_metrics
 
 
-def _launch(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _launch_env(**env: str) -> dict[str, str]:
     base = {k: v for k, v in cpu_env().items() if k not in ("PBS_NODEFILE", "PBS_JOBID", "HOSTFILE")}
-    full = {**base, "PYTHON": sys.executable, **env}
-    return subprocess.run(["bash", str(REPO / "launch" / script), *args], cwd=REPO, env=full,
+    return {**base, "PYTHON": sys.executable, **env}
+
+
+def _launch(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch" / script), *args], cwd=REPO, env=_launch_env(**env),
                           capture_output=True, text=True, timeout=300)
+
+
+def _fake_command(tmp_path: Path, name: str, body: str) -> str:
+    """A PATH with a bash script called ``name`` first (a launcher the test can watch)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+    (bin_dir / name).chmod(0o755)
+    return os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
 
 
 def _nodefile(tmp_path, hosts: list[str]) -> str:
@@ -31,13 +46,13 @@ def _nodefile(tmp_path, hosts: list[str]) -> str:
 @pytest.mark.parametrize("flavor", ["pals", "hydra"])
 def test_polaris_dry_run_counts_nodes(tmp_path, hosts, ranks, flavor):
     nodefile = _nodefile(tmp_path, hosts)
-    out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", "training.iters=10",
+    out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", "training.eval_iters=10",
                   PBS_NODEFILE=nodefile, MPI_FLAVOR=flavor)
     assert out.returncode == 0, out.stderr
     command = out.stdout.splitlines()[-1]
     hostfile = "--hostfile" if flavor == "pals" else "-hostfile"
     assert command.startswith(f"mpiexec -n {ranks} -ppn 4 {hostfile} {nodefile} ")
-    assert command.endswith(f"{sys.executable} pretrain.py recipes/gpt2-124m.yaml training.iters=10")
+    assert command.endswith(f"{sys.executable} pretrain.py recipes/gpt2-124m.yaml training.eval_iters=10")
     assert ("--cpu-bind depth -d 16 --envall" in command) == (flavor == "pals")
     assert f"master {hosts[0]}:29500" in out.stdout
 
@@ -61,13 +76,13 @@ def test_polaris_detects_the_mpiexec_flavor(tmp_path, banner, flavor):
 def test_polaris_recipe_from_qsub_variables_and_walltime(tmp_path):
     nodefile = _nodefile(tmp_path, ["x3001c0s1b0n0"])
     out = _launch("polaris.sh", "--dry-run", PBS_NODEFILE=nodefile, MPI_FLAVOR="pals",
-                  RECIPE="recipes/gpt2-124m.yaml", OVERRIDES="training.iters=5 optimizer.lr=1e-3",
+                  RECIPE="recipes/gpt2-124m.yaml", OVERRIDES="training.eval_iters=5 optimizer.lr=1e-3",
                   WALLTIME="02:00:00", CHECKPOINT_MARGIN_MIN="15", NGPUS_PER_NODE="2")
     assert out.returncode == 0, out.stderr
     command = out.stdout.splitlines()[-1]
     assert command.startswith("mpiexec -n 2 -ppn 2 ")
     # Saves and exits 15 minutes before the 2-hour walltime: by its own clock and by SIGUSR1.
-    assert command.endswith("recipes/gpt2-124m.yaml training.iters=5 optimizer.lr=1e-3 "
+    assert command.endswith("recipes/gpt2-124m.yaml training.eval_iters=5 optimizer.lr=1e-3 "
                             "training.exit_duration_mins=105")
     assert "SIGUSR1 to mpiexec after 6300 s" in out.stdout
     mine = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", "training.exit_duration_mins=30",
@@ -82,12 +97,13 @@ def test_polaris_overrides_keep_spaces_and_commas_and_the_walltime_left_counts(t
     nodefile = _nodefile(tmp_path, ["x3001c0s1b0n0"])
     out = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", PBS_NODEFILE=nodefile,
                   MPI_FLAVOR="pals", WALLTIME="", CHECKPOINT_MARGIN_MIN="10",
-                  OVERRIDES="training.iters=5 'training.sample_prompt=Once upon a time' "
-                            f"x=$(touch {tmp_path}/ran)")
+                  # a shell would run this touch ($IFS: a space that keeps the override one word)
+                  OVERRIDES="training.eval_iters=5 'training.sample_prompt=Once upon a time' "
+                            f"checkpoint.dir=$(touch$IFS{tmp_path}/ran)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1].endswith(
-        r"recipes/gpt2-124m.yaml training.iters=5 training.sample_prompt=Once\ upon\ a\ time "
-        rf"x=\$\(touch {tmp_path}/ran\)")  # two words, never run
+        r"recipes/gpt2-124m.yaml training.eval_iters=5 training.sample_prompt=Once\ upon\ a\ time "
+        rf"checkpoint.dir=\$\(touch\$IFS{tmp_path}/ran\)")  # taken as written, never run
     assert not (tmp_path / "ran").exists()
     (tmp_path / "my.overrides").write_text("# splits\ndata.split=969,30,1\n  training.sample_prompt=A, B  \n")
     bin_dir = tmp_path / "bin"
@@ -165,21 +181,32 @@ def test_polaris_check_mode_runs_check_dist_with_mpiexec(tmp_path):
     assert "mpich" in out.stdout  # the per-rank table names the launcher the ranks were started by
 
 
-def test_gaudi_environment_reaches_every_node(tmp_path):
+def test_gaudi_environment_reaches_every_node_through_a_private_file(tmp_path):
     """The DeepSpeed launcher forwards to remote nodes only its env file's lines: gaudi.sh writes
-    one (the user's ~/.deepspeed_env lines kept) where DeepSpeed's runner looks; mpirun gets -x."""
+    one (the user's ~/.deepspeed_env lines kept) where DeepSpeed's runner looks; mpirun gets -x.
+    The user's lines may be secrets: the copy is made only for a real launch, by mktemp (mode
+    0600, a name nobody can guess), and removed when the launcher exits; a dry run writes none."""
     hosts = tmp_path / "hosts"
     hosts.write_text("g1 slots=8\ng2 slots=8\n")
-    (tmp_path / ".deepspeed_env").write_text("MY_SETTING=1\n")
-    env = {"HOSTFILE": str(hosts), "HOME": str(tmp_path), "HCCL_SOCKET_IFNAME": "eth0",
-           "TMPDIR": str(tmp_path)}
-    out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", **env)
-    assert out.returncode == 0, out.stderr
-    env_line = out.stdout.splitlines()[-2]
-    env_file = env_line.split("DS_ENV_FILE=")[1].strip()
-    lines = set(open(env_file).read().splitlines())
-    assert {"MY_SETTING=1", "PT_HPU_LAZY_MODE=1", "HABANA_VISIBLE_MODULES=0,1,2,3,4,5,6,7",
-            "DS_ACCELERATOR=hpu", "HCCL_SOCKET_IFNAME=eth0"} <= lines
+    (tmp_path / ".deepspeed_env").write_text("MY_SETTING=1\nAPI_KEY=secret")  # no final newline
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"HOSTFILE": str(hosts), "HOME": str(tmp_path), "HCCL_SOCKET_IFNAME": "eth0", "TMPDIR": str(tmp)}
+    dry = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", **env)
+    assert dry.returncode == 0, dry.stderr
+    assert not list(tmp.iterdir()) and "secret" not in dry.stdout
+    assert "HCCL_SOCKET_IFNAME" in dry.stdout.splitlines()[-3]  # what the copy will hold, by name
+    seen = tmp_path / "seen"
+    path = _fake_command(tmp_path, "deepspeed", f'{{ echo "$DS_ENV_FILE"; stat -c %a "$DS_ENV_FILE"; '
+                                                f'cat "$DS_ENV_FILE"; }} > {seen}\nexit 3')
+    out = _launch("gaudi.sh", "recipes/llama2-7b-gaudi.yaml", PATH=path, **env)
+    assert out.returncode == 3, out.stderr  # the launcher's own status
+    env_file, mode, *lines = seen.read_text().splitlines()
+    assert Path(env_file).parent == tmp and Path(env_file).name.startswith("megatron_lite_deepspeed_env.")
+    assert mode == "600"
+    assert {"MY_SETTING=1", "API_KEY=secret", "PT_HPU_LAZY_MODE=1", "HABANA_VISIBLE_MODULES=0,1,2,3,4,5,6,7",
+            "DS_ACCELERATOR=hpu", "HCCL_SOCKET_IFNAME=eth0"} <= set(lines)
+    assert not list(tmp.iterdir())  # removed when the launcher exited
     # Where DeepSpeed's own runner reads the file from, given DS_ENV_FILE.
     where = ("import os, deepspeed.launcher.runner as r; print(sorted({os.path.join(p, "
              "r.DEEPSPEED_ENVIRONMENT_NAME) for p in r.DEEPSPEED_ENVIRONMENT_PATHS}))")
@@ -188,3 +215,70 @@ def test_gaudi_environment_reaches_every_node(tmp_path):
     assert probe.stdout.strip().splitlines()[-1] == str([env_file]), probe.stderr[-2000:]
     mpirun = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", LAUNCHER="mpirun", **env)
     assert "-x HCCL_SOCKET_IFNAME" in mpirun.stdout.splitlines()[-1]
+
+
+def test_gaudi_passes_a_signal_on_and_removes_the_env_file(tmp_path):
+    """gaudi.sh waits for the DeepSpeed launcher (to remove its env file after it) instead of
+    becoming it: a SIGTERM to the script still reaches the launcher, and the file still goes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    path = _fake_command(tmp_path, "deepspeed", f"sleep 60 & SLEEP=$!\n"
+                                                f"trap 'kill $SLEEP; echo TERM > {stopped}; exit 143' TERM\n"
+                                                f'echo "$DS_ENV_FILE" > {started}\nwait')
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "gaudi.sh"), "recipes/llama2-7b-gaudi.yaml"],
+                            cwd=REPO, env=_launch_env(PATH=path, HOME=str(tmp_path), TMPDIR=str(tmp)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists(), proc.communicate(timeout=60)[1][-2000:]
+    assert Path(started.read_text().strip()).exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert stopped.read_text().strip() == "TERM"
+    assert not list(tmp.iterdir())
+
+
+def test_gaudi_refuses_a_missing_hostfile_and_a_bad_hpu_count(tmp_path):
+    hosts = tmp_path / "hosts"  # never written
+    for env, named in (({"HOSTFILE": str(hosts)}, f"HOSTFILE={hosts} does not exist"),
+                       ({"HPUS_PER_NODE": "0"}, "HPUS_PER_NODE=0")):
+        out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", **env)
+        assert out.returncode == 2, out.stdout
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith("error: ") and named in line
+
+
+def test_polaris_overrides_that_cannot_be_split_stop_the_job(tmp_path):
+    """An OVERRIDES the shell rules cannot split (an unbalanced quote) stops the job, naming it,
+    before mpiexec starts: never the recipe trained without its overrides."""
+    started = tmp_path / "started"
+    path = _fake_command(tmp_path, "mpiexec", f"touch {started}")
+    for dry_run in (["--dry-run"], []):
+        out = _launch("polaris.sh", *dry_run, "recipes/gpt2-124m.yaml", MPI_FLAVOR="hydra",
+                      OVERRIDES="checkpoint.dir='/x y", PATH=path)
+        assert out.returncode == 2, out.stdout
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith("error: OVERRIDES=") and "No closing quotation" in line, line
+        assert "OVERRIDES_FILE" in line and "pretrain.py" not in out.stdout
+    assert not started.exists()
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["recipes/nope.yaml"], {}, "recipe file 'recipes/nope.yaml' does not exist"),
+    (["recipes/gpt2-124m.yaml", "training.itres=5"], {}, "unknown key 'training.itres'"),
+    (["recipes/gpt2-124m.yaml"], {"OVERRIDES": "training.itres=5"}, "unknown key 'training.itres'"),
+    (["recipes/gpt2-124m.yaml"], {"NGPUS_PER_NODE": "0"}, "NGPUS_PER_NODE=0"),
+])
+def test_polaris_checks_the_recipe_before_mpiexec(tmp_path, args, env, named):
+    """The recipe is checked where the job starts, before any rank (and by --dry-run, before
+    qsub): a typo must not cost a queue wait and a traceback per rank."""
+    started = tmp_path / "started"
+    path = _fake_command(tmp_path, "mpiexec", f"touch {started}")
+    for dry_run in (["--dry-run"], []):
+        out = _launch("polaris.sh", *dry_run, *args, MPI_FLAVOR="hydra", PATH=path, **env)
+        assert out.returncode == 2, out.stdout
+        assert named in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "pretrain.py" not in out.stdout
+    assert not started.exists()
