@@ -23,6 +23,8 @@ Exit status: 0 when the run finished as asked; otherwise non-zero with a one-lin
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def main(argv: list[str]) -> int:
@@ -69,7 +71,7 @@ def main(argv: list[str]) -> int:
 
         try:
             model_cfg, params, fpt = describe_model(cfg)
-        except (FileNotFoundError, ValueError) as e:
+        except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"parameters: {params:,}")
@@ -87,6 +89,14 @@ def main(argv: list[str]) -> int:
 
 VALUE_OPTIONS = {"--world-size": int, "--gpus-per-node": int, "--device": str, "--mfu": float,
                 "--host-memory-gb": float, "--get": str}
+# What a value must be, and the fix when it is not: a plan from a negative world or an MFU of
+# 4000% prints numbers that look like answers.
+VALUE_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "--world-size": (lambda v: v >= 1, "give the number of devices, 1 or more"),
+    "--gpus-per-node": (lambda v: v >= 1, "give the devices per node, 1 or more"),
+    "--mfu": (lambda v: 0 < v <= 1, "give a fraction of the peak, above 0 and at most 1 (0.4 for 40%)"),
+    "--host-memory-gb": (lambda v: v > 0, "give a node's host memory in GB, above 0"),
+}
 
 
 def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
@@ -104,6 +114,9 @@ def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
                 values[name] = options[name](value)
             except ValueError:
                 raise ValueError(f"{name} {value!r}: expected {options[name].__name__}") from None
+            ok, fix = VALUE_RANGES.get(name, (lambda v: True, ""))
+            if not ok(values[name]):
+                raise ValueError(f"{name} {value}: {fix}")
         else:
             rest.append(argv[i])
         i += 1

@@ -27,8 +27,9 @@ class TokenizerConfig:
     """Path of the tokenizer: the ``.model`` file, the Hugging Face directory, or the char JSON."""
     vocab_size: Optional[int] = None
     """The vocabulary the recipe expects of this tokenizer: ``--dry-run`` and ``--plan`` use it
-    before the tokenizer is built; a run uses the tokenizer's own (and warns when they differ).
-    Null: only the built tokenizer says."""
+    while the tokenizer is not on disk (they never download one from the Hugging Face Hub); a
+    run uses the tokenizer's own (and warns when they differ). Null: only the tokenizer says (on
+    disk, or for a Hub name in the local Hugging Face cache)."""
 
 
 @dataclass(frozen=True)
@@ -491,6 +492,9 @@ class Config:
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys, deep-merged over the generated config. A key the recipe
     already states elsewhere (batch sizes, gradient_clipping, zero_optimization.stage, bf16/fp16
-    enabled, optimizer, scheduler) must agree with it, or the run is refused before any work."""
+    enabled, optimizer, scheduler) must agree with it, or the run is refused before any work.
+    Sections DeepSpeed reads as mappings (zero_optimization, bf16, fp16, pipeline, ...) must be
+    mappings here too: deepspeed.zero_optimization.overlap_comm=true, not
+    deepspeed.zero_optimization=false."""
     tags: list[str] = field(default_factory=list)
     """Free-form labels recorded with the run."""

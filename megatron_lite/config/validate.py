@@ -7,6 +7,7 @@ reports all of them at once. Checks that need the world size live in ``ParallelD
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from megatron_lite.config.schema import Config
@@ -22,6 +23,36 @@ def _check_choices(obj: Any, prefix: str, problems: list[str]) -> None:
             problems.append(f"'{path}' = {value!r} is not allowed; choose one of {shown}")
         if dataclasses.is_dataclass(value):
             _check_choices(value, path + ".", problems)
+
+
+# Sections of DeepSpeed's config that DeepSpeed reads as mappings, with where the recipe states
+# what they are most often set for. Any other value (``deepspeed.zero_optimization=false``) would
+# slip past the check that the block agrees with the recipe, then either replace the generated
+# section (a ZeRO-3 recipe training at stage 0) or fail inside DeepSpeed with a TypeError.
+DEEPSPEED_SECTIONS = {
+    "zero_optimization": "the stage is parallel.zero_stage", "bf16": "the precision is training.precision",
+    "bfloat16": "the precision is training.precision", "fp16": "the precision is training.precision",
+    "zero_optimization.offload_optimizer": "the device is parallel.offload_optimizer",
+    "zero_optimization.offload_param": "the device is parallel.offload_params",
+    "pipeline": "", "activation_checkpointing": "", "flops_profiler": "", "checkpoint": "",
+    "data_types": "", "aio": "", "amp": "", "tensorboard": "", "wandb": "", "csv_monitor": "",
+    "comms_logger": "",
+}
+
+
+def deepspeed_block_problems(block: Mapping[str, Any]) -> list[str]:
+    """The recipe's ``deepspeed:`` sections that DeepSpeed needs as mappings but are not."""
+    problems = []
+    for dotted, where in DEEPSPEED_SECTIONS.items():
+        *parents, leaf = dotted.split(".")
+        node: Any = block
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping) or leaf not in node or isinstance(node[leaf], Mapping):
+            continue
+        problems.append(f"'deepspeed.{dotted}' = {node[leaf]!r} must be a mapping of DeepSpeed's "
+                        f"{leaf} keys (deepspeed.{dotted}.KEY=VALUE){'; ' + where if where else ''}")
+    return problems
 
 
 def split_shares(split: str) -> tuple[float, float, float]:
@@ -122,6 +153,7 @@ def validate(cfg: Config) -> list[str]:
              f"('schedule.warmup_iters' = {s.warmup_iters})")
 
     problems.extend(_parallel_problems(cfg))
+    problems.extend(deepspeed_block_problems(cfg.deepspeed))
     problems.extend(_fp8_problems(cfg))
     for key in ("save_interval", "keep_last", "keep_every"):
         value = getattr(cfg.checkpoint, key)

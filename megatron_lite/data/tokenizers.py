@@ -2,7 +2,8 @@
 
 Only a Hugging Face tokenizer named by its Hub id (``meta-llama/Llama-3.2-1B``; not a local
 directory) touches the network, through transformers (or transformers' cache of it); a local
-directory loads with ``local_files_only``.
+directory loads with ``local_files_only``. Sizing a model without training it (``--dry-run``,
+``--plan``) never touches the network: ``vocab_size_offline``.
 """
 
 from __future__ import annotations
@@ -297,3 +298,29 @@ def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
         return MegatronSentencePieceTokenizer(path)
     raise ValueError(f"tokenizer type '{kind}' is not one of 'char', 'sentencepiece', 'huggingface', "
                      "'megatron-sentencepiece'")
+
+
+def vocab_size_offline(kind: str, path: str | Path, stated: int | None) -> int:
+    """The vocabulary size of the tokenizer at ``path``, for sizing a model that is not trained
+    now (``--dry-run``, ``--plan``), without the network: the tokenizer's own where it is on disk
+    (exact), else ``stated`` (the recipe's ``data.tokenizer.vocab_size``), else a Hub tokenizer's
+    from the local Hugging Face cache. Without a network the Hub client retries for about 40 s
+    before it gives up, for a number the recipe usually states. FileNotFoundError (one line) when
+    none of them gives the size."""
+    if Path(path).exists():
+        return load_tokenizer(kind, path).vocab_size
+    if stated is not None:
+        return stated
+    fix = "set data.tokenizer.vocab_size=N (or model.vocab_size=N)"
+    if kind == "huggingface" and is_hub_id(str(path)):
+        from transformers import AutoTokenizer
+
+        try:
+            return len(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        except Exception:  # not in the cache (or unreadable there): the same answer
+            raise FileNotFoundError(
+                f"tokenizer '{path}' is neither a local directory nor in the Hugging Face cache, and "
+                f"sizing the model does not download it: {fix}, or save it first (hf download {path} "
+                "--local-dir DIR) and pass DIR") from None
+    raise FileNotFoundError(f"the vocabulary size comes from the tokenizer '{path}', which does not "
+                            f"exist yet (data.tokenizer.model): build it, or {fix}")

@@ -11,15 +11,17 @@ ASSUMED_VOCAB = 32000
 
 
 def _vocab(cfg: Config) -> tuple[int | None, str | None]:
-    """The tokenizer's vocabulary when the recipe leaves ``model.vocab_size`` null."""
+    """The tokenizer's vocabulary when the recipe leaves ``model.vocab_size`` null (from the disk
+    or the recipe, never the network)."""
     if cfg.model.vocab_size is not None:
         return None, None
-    from megatron_lite.data.tokenizers import load_tokenizer
+    from megatron_lite.data.tokenizers import vocab_size_offline
 
     tok = cfg.data.tokenizer
+    assert tok.model is not None
     try:
-        return load_tokenizer(tok.type, tok.model).vocab_size, None
-    except (FileNotFoundError, OSError, ValueError):
+        return vocab_size_offline(tok.type, tok.model, tok.vocab_size), None
+    except (OSError, ValueError):  # FileNotFoundError too; or a tokenizer on disk that is broken
         if tok.vocab_size is not None:
             return tok.vocab_size, None
         return ASSUMED_VOCAB, (f"the tokenizer '{tok.model}' does not exist yet: assumed a vocabulary "

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from megatron_lite.config.schema import Config
+from megatron_lite.config.validate import deepspeed_block_problems
 from megatron_lite.distributed import deepspeed_internals
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.optim.optimizer import build_optimizer
@@ -99,7 +100,8 @@ def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
     of doing the same thing, stays); one that says something else is a contradiction, since a
     silent winner would leave the logged config, the planner and the checkpoints describing
     another run than the one DeepSpeed executes."""
-    problems = []
+    # Config loading refuses these already; a Config built another way gets the same answer.
+    problems = deepspeed_block_problems(extra)
     for name, section in (("optimizer", "optimizer"), ("scheduler", "schedule")):
         if name in extra:
             problems.append(f"deepspeed.{name}: the {name} is built from the recipe's {section}: section")

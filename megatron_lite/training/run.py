@@ -14,7 +14,7 @@ from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
-from megatron_lite.data.tokenizers import load_tokenizer
+from megatron_lite.data.tokenizers import vocab_size_offline
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
 from megatron_lite.distributed.launcher_env import LaunchEnv
@@ -51,20 +51,15 @@ def train_samples(cfg: Config, iters: int, global_batch: int) -> int:
 def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
     """Resolved model config, parameter count and training FLOPs per token, from the meta device.
 
-    The vocabulary comes from ``model.vocab_size`` or, when that is null, from the tokenizer.
+    The vocabulary comes from ``model.vocab_size`` or, when that is null, from the tokenizer on
+    disk or the recipe's ``data.tokenizer.vocab_size``, never from the network
+    (``vocab_size_offline``).
     """
     vocab = None
     if cfg.model.vocab_size is None:
         tok = cfg.data.tokenizer
         assert tok.model is not None
-        try:
-            vocab = load_tokenizer(tok.type, tok.model).vocab_size
-        except FileNotFoundError:
-            if tok.vocab_size is None:
-                raise FileNotFoundError(
-                    f"the vocabulary size comes from the tokenizer '{tok.model}', which does not exist "
-                    "yet: build it, or set data.tokenizer.vocab_size=N (or model.vocab_size=N)") from None
-            vocab = tok.vocab_size  # the recipe's word for it, until the tokenizer is built
+        vocab = vocab_size_offline(tok.type, tok.model, tok.vocab_size)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, cfg.parallel.tensor)
     params = count_parameters(build_model(model_cfg, "meta"))
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)

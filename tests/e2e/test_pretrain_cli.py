@@ -57,6 +57,48 @@ def test_every_recipe_dry_runs_and_plans_before_any_data_exists(tmp_path, monkey
     assert not list(tmp_path.iterdir())  # nothing was built or written
 
 
+def test_dry_run_and_plan_take_the_vocabulary_without_the_network(tmp_path):
+    """gpt2-124m's tokenizer (data/gpt2, which could be a Hub name) is not on disk, and the recipe
+    states its vocabulary: sizing the model uses that, never a Hub download (without a network,
+    about 40 s of retries). A tokenizer neither on disk nor in the Hub cache, with no vocabulary
+    stated, is a one-line error, at once."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # nothing answers
+    for flag in ("--dry-run", "--plan"):
+        proc = check(run_pretrain(["recipes/gpt2-124m.yaml", flag], env=env, timeout=120))
+        assert "Retrying" not in proc.stderr and "127.0.0.1:9" not in proc.stderr, proc.stderr[-2000:]
+        assert ("vocab_size: 50304" if flag == "--dry-run" else "parameters: 124,475,904") in proc.stdout
+    for model, says in (("./nope/tok", "tokenizer './nope/tok', which does not exist yet"),
+                        ("nope-org/nope-tok", "'nope-org/nope-tok' is neither a local directory nor in "
+                                              "the Hugging Face cache")):
+        proc = run_pretrain(["recipes/gpt2-124m.yaml", "--dry-run", "data.tokenizer.vocab_size=null",
+                             f"data.tokenizer.model={model}"], env=env, timeout=120)
+        assert proc.returncode == 1, proc.stdout
+        (line,) = proc.stderr.strip().splitlines()
+        assert says in line and "set data.tokenizer.vocab_size=N" in line, line
+
+
+def test_plan_refuses_a_machine_that_cannot_be():
+    """A negative world, no devices per node or an MFU of 4000% are mistakes, not plans."""
+    for option, value in (("--world-size", "-8"), ("--gpus-per-node", "0"), ("--mfu", "40"),
+                          ("--host-memory-gb", "0")):
+        proc = run_pretrain(["recipes/llama2-7b-polaris.yaml", "--plan", option, value])
+        assert proc.returncode == 2, proc.stdout
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: {option} {value}: give "), line
+        assert option != "--mfu" or "(0.4 for 40%)" in line
+
+
+def test_a_deepspeed_section_that_is_not_a_mapping_is_refused_before_anything_is_built(tmp_path):
+    """deepspeed.zero_optimization=false would replace the generated section (a ZeRO-3 recipe
+    training at stage 0, its manifest saying 3); deepspeed.bf16=true fails inside DeepSpeed."""
+    for override, named in (("deepspeed.zero_optimization=false", "'deepspeed.zero_optimization' = False"),
+                            ("deepspeed.bf16=true", "'deepspeed.bf16' = True")):
+        proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "parallel.zero_stage=3", override])
+        assert proc.returncode == 2, proc.stdout[-2000:]
+        assert f"{named} must be a mapping" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
 def test_misspelled_key_fails_before_anything_is_built(tmp_path):
     proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "training.itres=5"])
     assert proc.returncode == 2

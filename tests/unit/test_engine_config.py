@@ -1,5 +1,7 @@
 import dataclasses
 
+import pytest
+
 from megatron_lite.config import load_config
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import ParallelDims
@@ -47,6 +49,15 @@ def test_a_deepspeed_block_that_contradicts_the_recipe_is_refused_with_every_key
                  "deepspeed.bf16.enabled=True but training.precision gives False",
                  "deepspeed.optimizer: the optimizer is built from the recipe's optimizer: section"):
         assert part in text, (part, text)
+
+
+def test_a_deepspeed_section_that_is_not_a_mapping_is_named_not_merged():
+    """Config loading refuses it (tests/e2e/test_pretrain_cli.py); a Config built around the
+    loader gets the same answer here instead of a ZeRO-3 recipe merged down to stage 0."""
+    cfg = load_config(RECIPE, ["parallel.zero_stage=3"])
+    bad = dataclasses.replace(cfg, deepspeed={"zero_optimization": False, "fp16": {"enabled": False}})
+    with pytest.raises(ValueError, match=r"'deepspeed.zero_optimization' = False must be a mapping"):
+        deepspeed_config(bad, ParallelDims.plan(bad, world_size=1))
 
 
 def test_layout_problems_are_reported_together():
