@@ -128,6 +128,7 @@ class ParallelDims:
         for), created on every rank in the same order as ``dist.new_group`` requires, and the two
         gloo groups of host control (``distributed/collectives.py``). Created for one rank too,
         so that a one-device run takes the same paths as a multi-device one."""
+        self.create_control_groups(timeout)
         for name, axes in GROUP_AXES.items():
             for ranks in self.group_ranks(axes):
                 # No backend: the default group's, i.e. the accelerator's (NCCL, HCCL; gloo on CPU).
@@ -148,6 +149,12 @@ class ParallelDims:
                 group = dist.new_group(ends, timeout=timeout)
                 if self.rank in ends:
                     self.groups["embedding"] = group
+
+    def create_control_groups(self, timeout: timedelta) -> None:
+        """Collective: the two gloo groups of host control, first (once), so that ranks can
+        agree on the rest of the layout before its groups exist."""
+        if "control" in self.groups:
+            return
         # Host-side agreement (errors, stop flags, votes, objects) over gloo: it never waits for
         # the accelerator, and NCCL/HCCL groups would refuse host tensors.
         self.groups["control"] = dist.new_group(timeout=timeout, backend="gloo")
@@ -294,7 +301,12 @@ class ModelParallelUnit:
 def init_distributed(cfg: Config, env: LaunchEnv):
     """Start the process group, create the parallel groups and pick this rank's device.
     Returns (ParallelDims, accelerator)."""
-    dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
+    # HSDP's default shard group is one node's ranks, a count each rank has from its own
+    # launcher: planned once the ranks agree on it (a rank refusing alone, or building other
+    # groups, would leave the others waiting). Until then the whole data axis stands in.
+    node_sized = cfg.parallel.hsdp and cfg.parallel.hsdp_shard_size is None and env.world_size > 1
+    dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank,
+                             env.world_size if node_sized else env.local_world_size)
     acc = devmod.select_accelerator(cfg.training.device, cfg.training.hpu_mode)
     devmod.set_matmul_precision(acc, cfg.training.tf32)
     if acc.device_name() == "cpu" and cfg.training.cpu_retain_freed_memory:
@@ -317,8 +329,38 @@ def init_distributed(cfg: Config, env: LaunchEnv):
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
                                    auto_mpi_discovery=False, verbose=False, timeout=timeout)
+    if node_sized:
+        dims.create_control_groups(timeout)
+        groups = dims.groups
+        dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, agreed_node_size(dims, env))
+        dims.groups.update(groups)
     dims.create_groups(timeout)
     return dims, acc
+
+
+def agreed_node_size(dims: ParallelDims, env: LaunchEnv) -> int:
+    """Collective (control group): the ranks per node every rank's launcher reports, when they
+    all report the same; else every rank raises the same ``TopologyError``."""
+    sizes = collectives.all_gather_object(env.local_world_size, dims,
+                                          "the ranks per node (HSDP's shard group)")
+    if len(set(sizes)) == 1:
+        return sizes[0]
+    by_size: dict[int, list[int]] = {}
+    for rank, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(rank)
+    seen = "; ".join(f"{_ranks_text(ranks)}: {size} per node" for size, ranks in by_size.items())
+    raise TopologyError(
+        f"parallel.hsdp: the default shard group is the ranks of one node, but the launcher places "
+        f"different numbers of ranks on the nodes ({seen}); run the same number of ranks on every "
+        "node, or set parallel.hsdp_shard_size")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))
 
 
 def shutdown_distributed(dims: ParallelDims) -> None:
