@@ -66,7 +66,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     import torch.distributed as dist
 
     from megatron_lite.checkpoint import CheckpointError
-    from megatron_lite.distributed import TopologyError
+    from megatron_lite.distributed import TopologyError, detect
     from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.distributed.cpu_extensions import StaleBuildLock
     from megatron_lite.spikes import SpikeStop
@@ -87,7 +87,8 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
         import traceback
 
         traceback.print_exc()
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        # The launcher's rank: the process groups are already torn down here (run's cleanup).
+        rank = (env or detect()).rank
         reason = f"{type(e).__name__}: {first_line(e)}"
         if isinstance(e, dist.DistError) or "timed out" in reason.lower():
             # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.

@@ -127,17 +127,23 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
         "parameters": count_parameters(build_model(model_cfg, "meta")), "flops_per_token": fpt,
         "device": acc.device_name(), "deepspeed_config": ds_config,
     }
-    if dims.is_main:
+
+    def write_run_files() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "runtime.json").write_text(json.dumps(runtime, indent=2))
+
+    # Rank 0's file work fails on every rank (a run directory that cannot be written), never on
+    # rank 0 alone while the others go on into the next collective.
+    on_one_rank_then_all(write_run_files, dims, f"writing {run_dir}/config.yaml and runtime.json")
     log(f"model: {runtime['parameters']:,} parameters, {fpt / 1e9:.3f} GFLOPs/token | "
         f"world {dims.world_size} (dp {dims.data}, tp {dims.tensor}, pp {dims.pipeline}, "
         f"ulysses {dims.ulysses}) | global batch {runtime['global_batch_size']} "
         f"(micro {cfg.training.micro_batch_size} × accum {runtime['grad_accumulation']}) | "
         f"{iters} iters | device {acc.device_name()}")
 
-    logger = MetricsLogger(cfg, run_dir, dims.is_main, json.loads(json.dumps(runtime)))
+    logger = on_every_rank(lambda: MetricsLogger(cfg, run_dir, dims.is_main, json.loads(json.dumps(runtime))),
+                           dims, "opening the metrics sinks (metrics.jsonl, TensorBoard, W&B)")
     try:
         checkpointer = (Checkpointer(cfg, dims, acc, parts.engine, model_cfg, log) if cfg.checkpoint.dir
                         else None)

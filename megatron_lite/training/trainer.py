@@ -23,6 +23,7 @@ from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import (
     broadcast_object,
     mean_over_ranks,
+    on_every_rank,
     raise_together,
 )
 from megatron_lite.distributed.parallel_dims import ParallelDims
@@ -112,7 +113,9 @@ class Trainer:
         log = broadcast_object(log, self.dims, "the spike log")
         history = (self.checkpointer.rollback_history(resuming=loaded is not None)
                    if self.checkpointer is not None else [])
-        self.spikes.resume(extra.get("spikes"), log, history)
+        # Rank 0 cuts spikes.jsonl back (or moves an old one aside): a failure stops every rank.
+        on_every_rank(lambda: self.spikes.resume(extra.get("spikes"), log, history), self.dims,
+                      f"repairing {self.spikes.path}")
         if loaded is not None:
             self._restore(loaded)
 
