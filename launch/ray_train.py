@@ -15,10 +15,15 @@ usage: python launch/ray_train.py RECIPE.yaml [dotted.key=value ...] --num-worke
   --report-interval S report to Ray (ray.train.report) the training records of every S-th step
                       (default: every record, training.log_interval)
 
-The rendezvous host is MASTER_ADDR when set, else distributed.master_addr, else the address
-the first worker's Ray node registered with the cluster. Ray's records of the run go under
-checkpoint.dir/ray. Exit status: 0 when the run finished as asked; otherwise non-zero with a
-one-line reason (see docs/launch.md).
+The ranks meet on the node Ray placed the first worker on: at MASTER_ADDR, else
+distributed.master_addr, when that is an address of this node (otherwise ignored with a
+warning), else at loopback when every worker is on that node, else at the address the node
+registered with Ray. With checkpoint.dir and checkpoint.save_on_signal, SIGTERM or SIGUSR1 to
+this launcher or to a worker saves a checkpoint at the next step on every rank and ends the run
+with status 0. Secret variables (*_API_KEY, *_TOKEN, *SECRET*, *_PASSWORD) reach the workers
+through a private file (in TMPDIR, removed at exit), never through Ray's runtime_env. Ray's
+records of the run go under checkpoint.dir/ray. Exit status: 0 when the run finished as asked
+or was stopped with a save; otherwise non-zero with a one-line reason (see docs/launch.md).
 """
 
 from __future__ import annotations
@@ -71,13 +76,16 @@ def main(argv: list[str]) -> int:
         print("warning: --max-failures without checkpoint.dir: a restarted run starts again "
               "from step 0", file=sys.stderr)
     env = worker_environment(device, cfg.training.hpu_mode, dict(os.environ))
+    source = "MASTER_ADDR" if os.environ.get("MASTER_ADDR") else "distributed.master_addr"
     spec = WorkerSpec(recipe=os.path.abspath(args.recipe), overrides=args.overrides, device=device,
                       master_addr=os.environ.get("MASTER_ADDR") or cfg.distributed.master_addr,
-                      env=env, cwd=os.getcwd(), report_interval=args.report_interval)
+                      master_addr_source=source, env=env, cwd=os.getcwd(),
+                      report_interval=args.report_interval)
     try:
         name = cfg.logging.run_name or Path(cfg.logging.dir).name
         return fit(spec, args.num_workers, cfg.checkpoint.dir, name, address=args.address,
-                   max_failures=args.max_failures, cpus_per_worker=args.cpus_per_worker)
+                   max_failures=args.max_failures, cpus_per_worker=args.cpus_per_worker,
+                   save_on_signal=bool(cfg.checkpoint.dir) and cfg.checkpoint.save_on_signal)
     except RayNotInstalled as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

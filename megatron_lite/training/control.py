@@ -4,6 +4,10 @@ A signal (SIGTERM; SIGUSR1, which PBS sends before walltime with ``-l signal``-s
 may reach one rank only, and clocks differ between nodes: each rank reports what it saw, the
 flags are OR-ed over all ranks (one small gloo all-reduce per step), and every rank takes the
 same decision at the same step.
+
+Where training runs off the main thread (Ray Train runs the training function in a thread of its
+worker process), no signal handler can be installed there: the launcher's own handlers (on the
+process's main thread) forward the stop with ``request_stop``, which feeds the same flag.
 """
 
 from __future__ import annotations
@@ -49,16 +53,39 @@ class Decision:
     """Why the run stops now (a signal, the time limit), or None."""
 
 
+_listener: RunControl | None = None
+"""The training loop of this process that takes ``request_stop`` (one per process: a launcher
+runs one trainer per process)."""
+
+
+def request_stop(reason: str) -> bool:
+    """Ask this process's training loop to save and stop at its next step boundary, as a signal
+    does with ``checkpoint.save_on_signal`` (the stop reads ``signal REASON``). Safe from any
+    thread and from a signal handler (one attribute store). False when no training loop takes
+    it: training has not started yet (the dataset, model or engine is being built), the run has
+    no ``checkpoint.dir`` or ``save_on_signal`` is off, or training runs on the main thread,
+    where the signal handlers themselves are installed."""
+    control = _listener
+    if control is None:
+        return False
+    control.received = reason
+    return True
+
+
 class RunControl:
     def __init__(self, cfg: Config, dims: ParallelDims):
+        global _listener
         self.cfg, self.dims = cfg, dims
         self.start = self.last_save = time.monotonic()
         self.received: str | None = None
         self.active = bool(cfg.checkpoint.dir) or cfg.training.exit_duration_mins is not None
-        if cfg.checkpoint.dir and cfg.checkpoint.save_on_signal and \
-                threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                signal.signal(sig, self._on_signal)
+        if cfg.checkpoint.dir and cfg.checkpoint.save_on_signal:
+            if threading.current_thread() is threading.main_thread():
+                for sig in SIGNALS:
+                    signal.signal(sig, self._on_signal)
+            else:
+                # From here on, as the handlers above, a stop is taken at a step boundary.
+                _listener = self
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name

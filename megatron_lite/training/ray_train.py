@@ -3,31 +3,49 @@
 
 What this module decides, and why:
 
-- **The rendezvous is ours.** Ray's own torch backend starts the process group at the address
-  that ``ray.util.get_node_ip_address()`` gives the first worker: the interface that routes to
-  the internet, which on a node with several interfaces (or a machine whose head runs on
-  loopback) is not the one the job should use. Here the Ray backend starts nothing; the first
-  worker picks the address (``MASTER_ADDR`` in the launcher's environment, else
-  ``distributed.master_addr``, else the address its Ray node registered with the cluster) and a
-  free port, hands both to the others with ``ray.train.collective.broadcast_from_rank_zero``,
-  and the trainer starts its groups there as under any launcher.
+- **The rendezvous is ours, on rank 0's node.** Ray's own torch backend starts the process group
+  at the address that ``ray.util.get_node_ip_address()`` gives the first worker: the interface
+  that routes to the internet, which on a node with several interfaces (or a machine whose head
+  runs on loopback) is not the one the job should use. Here the Ray backend starts nothing; the
+  first worker picks the host and a free port on its own node and hands both to the others with
+  ``ray.train.collective.broadcast_from_rank_zero``. Ray, not the user, places that worker, so a
+  configured host (``MASTER_ADDR``, ``distributed.master_addr``) is used only when it is an
+  address of that node; otherwise it is ignored with a warning (refusing would make the same
+  command pass or fail with Ray's placement, and kill a restarted run).
 - **Restarts resume from our checkpoints.** When a worker dies, Ray stops the group and starts
   the training function again on fresh workers (``FailureConfig.max_failures``); the trainer
   resumes from the newest committed checkpoint in ``checkpoint.dir`` as any restarted job does.
   Ray's own checkpoint registry is not used: the checkpoint directory is already the run's
   durable state, written once per shard group.
+- **A stop saves, as under mpiexec.** The training function runs in a thread, where no signal
+  handler can be installed. With ``checkpoint.save_on_signal``, SIGTERM/SIGUSR1 to the launcher
+  (``ray job stop``, a scheduler) reaches every worker through a small actor, and SIGTERM/SIGUSR1
+  to a worker process is caught on its main thread; both end in ``control.request_stop``: every
+  rank saves at the same step and the run ends with status 0.
+- **Secrets stay out of Ray's records.** Ray writes a job's ``runtime_env`` to its logs and
+  dashboard: secret-looking variables (API keys, tokens) go to the workers through a private
+  file whose path is passed instead, unless their own environment has them.
 - **Metrics go to Ray too.** Every training record is reported with ``ray.train.report`` (a
   barrier across workers in Ray Train 2, so every rank reports, at the same steps).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import ipaddress
+import json
 import os
 import queue
 import re
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
+import time
+from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -39,7 +57,7 @@ worker groups), as tested; setup.py's ``ray`` extra."""
 
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
 FORWARDED_ENV = ("TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "WANDB_MODE", "WANDB_API_KEY",
-                 "WANDB_DIR", "HF_HOME", "HF_HUB_OFFLINE", "PYTHONPATH")
+                 "WANDB_DIR", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN", "PYTHONPATH")
 FORWARDED_PREFIXES = ("PT_HPU_", "HABANA_", "HCCL_", "NCCL_", "TORCH_NCCL_", "FI_", "MPICH_")
 """The launcher's environment that the workers see: Ray starts them from its own processes, on
 every node of the cluster, with the environment Ray was started with."""
@@ -58,6 +76,51 @@ def worker_environment(device: str, hpu_mode: str, environ: dict[str, str]) -> d
     return env
 
 
+def is_secret(name: str) -> bool:
+    """A variable whose value must not reach Ray's records (API keys, tokens, passwords)."""
+    return name.endswith(("_API_KEY", "_TOKEN", "_PASSWORD")) or "SECRET" in name
+
+
+class PrivateFile:
+    """Secret values for the workers in a file only this user can read (0600, in a 0700
+    directory of the launcher's temporary directory, ``TMPDIR``), removed when the launcher
+    ends. Only its path goes through Ray; a worker reads it where its node sees the file (the
+    launcher's machine, or every node when ``TMPDIR`` is on a shared file system)."""
+
+    def __init__(self, values: dict[str, str]):
+        self.dir = tempfile.mkdtemp(prefix="megatron_lite-ray-")  # 0700
+        self.path = os.path.join(self.dir, "secrets.json")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(values, f)
+        # Also on exits that skip the launcher's finally (sys.exit from a signal handler).
+        atexit.register(self.remove)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def take_secrets(names: list[str], path: str | None,
+                 environ: MutableMapping[str, str] = os.environ) -> tuple[list[str], list[str], list[str]]:
+    """Put into ``environ`` the secrets this worker lacks, from the launcher's private file;
+    (names this node's environment has, names taken from the file, names missing here). A
+    node's own value wins: a cluster that sets its secrets (``ray start``, a pod's env) keeps
+    them."""
+    own = [n for n in names if environ.get(n)]
+    wanted = [n for n in names if n not in own]
+    values: dict[str, str] = {}
+    if wanted and path:
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            values = {}
+    taken = [n for n in wanted if values.get(n)]
+    for n in taken:
+        environ[n] = values[n]
+    return own, taken, [n for n in wanted if n not in taken]
+
+
 class RayNotInstalled(RuntimeError):
     """Ray (or Ray Train) is missing from this environment."""
 
@@ -71,8 +134,15 @@ class WorkerSpec:
     device: str
     """cpu, cuda or hpu: the device each worker trains on (``training.device``)."""
     master_addr: str | None = None
-    """The rendezvous host, when the launcher or the recipe names one."""
+    """The rendezvous host, when the launcher or the recipe names one: used when it is an
+    address of rank 0's node."""
+    master_addr_source: str = "MASTER_ADDR"
+    """Where ``master_addr`` came from, for the warning when it cannot be used."""
     env: dict[str, str] = field(default_factory=dict)
+    secret_names: list[str] = field(default_factory=list)
+    """Secret variables of the launcher the workers need, their values not in ``env``."""
+    secrets_file: str | None = None
+    """The launcher's private file holding their values (``PrivateFile``)."""
     report_interval: int | None = None
     """Report to Ray the training records whose step is a multiple of this (default: every
     record, ``training.log_interval``)."""
@@ -114,17 +184,128 @@ def _node_address() -> str:
     raise RuntimeError(f"this worker's Ray node {node_id} is not in the cluster's node list")
 
 
-def rendezvous(spec: WorkerSpec, rank: int) -> tuple[str, int]:
-    """(host, port) agreed by every worker: the first worker's choice, broadcast through Ray."""
+def _resolved(host: str) -> list[tuple[int, str]]:
+    """(family, address) of every address ``host`` names; none when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return [(family, sockaddr[0]) for family, _, _, _, sockaddr in infos]
+
+
+def on_this_machine(host: str) -> bool:
+    """Whether ``host`` is an address of this machine: a socket binds to an address only where
+    an interface has it, the check that the first rank's store can listen there."""
+    for family, address in _resolved(host):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def rendezvous_host(configured: str | None, source: str, node_address: str,
+                    whole_job_here: bool) -> tuple[str, str | None]:
+    """The host every rank meets at, chosen on rank 0's machine, and a warning when the
+    configured one cannot be it. Default: loopback when every worker runs on this node (it
+    reaches nothing outside), else the address this node registered with Ray. A configured host
+    is kept when it is an address of this machine (an interface of rank 0's node, picked by
+    the user) and, for loopback, when no worker runs on another node."""
+    own = "127.0.0.1" if whole_job_here else node_address
+    if not configured:
+        return own, None
+    addresses = _resolved(configured)
+    loopback = bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                       for _, a in addresses)
+    if on_this_machine(configured) and (whole_job_here or not loopback):
+        return configured, None
+    if loopback:
+        why = "is loopback but the workers run on several nodes"
+    elif not addresses:
+        why = "does not resolve on the node Ray placed rank 0 on"
+    else:
+        why = f"is not an address of the node Ray placed rank 0 on ({node_address})"
+    return own, (f"warning: {source}={configured} {why}; the ranks meet at {own} instead (Ray "
+                 f"chooses rank 0's node: leave {source} unset, or name an interface of that node)")
+
+
+def rendezvous(spec: WorkerSpec, rank: int, whole_job_here: bool) -> tuple[str, int]:
+    """(host, port) agreed by every worker: the first worker's choice on its own node, broadcast
+    through Ray."""
     from ray.train.collective import broadcast_from_rank_zero
 
     chosen = None
     if rank == 0:
-        chosen = (spec.master_addr or _node_address(), free_port())
+        host, warning = rendezvous_host(spec.master_addr, spec.master_addr_source, _node_address(),
+                                        whole_job_here)
+        if warning:
+            emit_line(warning, sys.stderr)
+        chosen = (host, free_port())
     return broadcast_from_rank_zero(chosen)
 
 
-def worker_loop(spec_dict: dict[str, Any]) -> None:
+class StopRequest:
+    """The launcher's stop, for every worker: each waits on ``wait`` in a thread of its own (one
+    pending call per worker, nothing polled). An async actor, so that the waits do not hold
+    its one thread."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.event = asyncio.Event()
+
+    async def request(self, reason: str) -> None:
+        self.reason = reason
+        self.event.set()
+
+    async def wait(self) -> str:
+        await self.event.wait()
+        return self.reason or "stop"
+
+
+def follow_launcher_stop(stop: Any) -> None:
+    """On a worker: when the launcher is asked to stop, stop this rank's training loop at a step
+    boundary. Until the loop runs (the workers are still starting) the request is repeated, so
+    a run stopped while starting saves at its first step."""
+    import ray
+
+    from megatron_lite.training.control import request_stop
+
+    def follow() -> None:
+        try:
+            reason = ray.get(stop.wait.remote())
+        except Exception:  # the launcher is gone: Ray ends this worker itself
+            return
+        while not request_stop(reason):
+            time.sleep(0.5)
+
+    threading.Thread(target=follow, name="ray-stop", daemon=True).start()
+
+
+def save_on_worker_signals() -> None:
+    """Run on each worker's main thread (where Ray runs the calls its worker group makes):
+    SIGTERM/SIGUSR1 to the worker process stops the training loop at a step boundary with a
+    save, as the signal handlers of a run on the main thread do. Before the loop runs, Ray's own
+    handling stays: the process ends (a signal during start-up stops any launcher's run)."""
+    from megatron_lite.training.control import SIGNALS, request_stop
+
+    for sig in SIGNALS:
+        previous = signal.getsignal(sig)
+
+        def on_signal(signum: int, frame: Any, previous: Any = previous) -> None:
+            if request_stop(signal.Signals(signum).name):
+                return
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, on_signal)
+
+
+def worker_loop(config: dict[str, Any]) -> None:
     """The training function of every Ray worker: the trainer as ``pretrain.py`` runs it."""
     import ray.train
 
@@ -132,15 +313,29 @@ def worker_loop(spec_dict: dict[str, Any]) -> None:
     from megatron_lite.distributed.launcher_env import LaunchEnv
     from megatron_lite.training.entry import train_outcome
 
-    spec = WorkerSpec(**spec_dict)
+    config = dict(config)
+    stop = config.pop("stop", None)
+    spec = WorkerSpec(**config)
+    if stop is not None:
+        follow_launcher_stop(stop)
     os.environ.update(spec.env)
+    own, taken, missing = take_secrets(spec.secret_names, spec.secrets_file)
     if spec.cwd and os.path.isdir(spec.cwd):
         os.chdir(spec.cwd)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    host, port = rendezvous(spec, rank)
+    if missing:
+        emit_line(f"warning: rank {rank}: {', '.join(missing)} of the launcher reach no worker on "
+                  f"this node: its private copy {spec.secrets_file} is not readable here; set them "
+                  "in the Ray nodes' environment (ray start, the pod spec) or point the launcher's "
+                  "TMPDIR at a file system every node shares", sys.stderr)
+    host, port = rendezvous(spec, rank, ctx.get_local_world_size() == world)
     if rank == 0:
         print(f"ray: {world} workers, rendezvous at {host}:{port}", flush=True)
+        if own or taken:
+            sources = [f"{n} from the launcher's private file" for n in taken]
+            sources += [f"{n} from this node's environment" for n in own]
+            print(f"ray: secrets (kept out of Ray's records): {', '.join(sources)}", flush=True)
     env = LaunchEnv(rank=rank, local_rank=ctx.get_local_rank(), world_size=world, master_addr=host,
                     master_port=port, launcher="ray", local_world_size=ctx.get_local_world_size())
     for key, value in {"RANK": rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": world,
@@ -200,9 +395,10 @@ class WorkerFailed(RuntimeError):
     """The trainer on one worker ended with a non-zero status."""
 
 
-def no_process_group_config(backend: str):
+def no_process_group_config(backend: str, save_on_signal: bool = False):
     """A ``TorchConfig`` that records the backend but leaves starting the process group to the
-    trainer (see the module docstring: the rendezvous address is ours)."""
+    trainer (see the module docstring: the rendezvous address is ours); with ``save_on_signal``
+    each worker's signals stop its training loop with a save (``save_on_worker_signals``)."""
     from ray.train.backend import Backend
     from ray.train.torch import TorchConfig
 
@@ -211,52 +407,118 @@ def no_process_group_config(backend: str):
         # as under torchrun.
         share_cuda_visible_devices = True
 
+        def on_start(self, worker_group, backend_config) -> None:
+            if backend_config.save_on_signal:
+                worker_group.execute(save_on_worker_signals)
+
+    @dataclass
     class TrainerRendezvous(TorchConfig):
+        save_on_signal: bool = False
+
         @property
         def backend_cls(self):
             return _GroupStartedByTrainer
 
-    return TrainerRendezvous(backend=backend)
+    return TrainerRendezvous(backend=backend, save_on_signal=save_on_signal)
+
+
+@dataclass
+class RaySetup:
+    """What the launcher hands Ray: nothing in it holds a secret value."""
+
+    spec: WorkerSpec
+    """Each worker's ``train_loop_config``."""
+    runtime_env: dict[str, Any]
+    """The job's ``runtime_env`` (recorded by Ray: its logs, the dashboard, the job's metadata)."""
+    secrets: PrivateFile | None
+    """The secret values, for the workers that lack them; ``close`` removes it."""
+
+    def close(self) -> None:
+        if self.secrets is not None:
+            self.secrets.remove()
+
+
+def ray_setup(spec: WorkerSpec) -> RaySetup:
+    """Split ``spec.env`` into what Ray may record and the secrets, which go to a private file."""
+    public = {k: v for k, v in spec.env.items() if not is_secret(k)}
+    secret = {k: v for k, v in spec.env.items() if is_secret(k)}
+    private = PrivateFile(secret) if secret else None
+    spec = replace(spec, env=public, secret_names=sorted(secret),
+                   secrets_file=private.path if private else None)
+    # Ray Train 2 copies every print of a worker into its log as well: each line would show twice.
+    return RaySetup(spec, {"env_vars": {**public, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}, private)
 
 
 def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name: str,
-        address: str | None = None, max_failures: int = 0, cpus_per_worker: float = 1.0) -> int:
+        address: str | None = None, max_failures: int = 0, cpus_per_worker: float = 1.0,
+        save_on_signal: bool = False) -> int:
     """Start (or join, with ``address``) a Ray cluster and train on ``num_workers`` workers;
-    the exit status, with a one-line reason on stderr when it is not 0."""
+    the exit status, with a one-line reason on stderr when it is not 0. With ``save_on_signal``
+    (``checkpoint.dir`` and ``checkpoint.save_on_signal``), SIGTERM or SIGUSR1 to this process
+    or to a worker makes every rank save at the same step and the run end with status 0."""
     ray = import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
+    from megatron_lite.training.control import SIGNALS
+
     resources = {"cpu": {"CPU": cpus_per_worker}, "cuda": {"CPU": cpus_per_worker, "GPU": 1},
                  "hpu": {"CPU": cpus_per_worker, "HPU": 1}}[spec.device]
-    # Ray Train 2 copies every print of a worker into its log as well: each line would show twice.
-    worker_env = {**spec.env, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    if address is None:
-        # A cluster of this machine alone: the workers meet on loopback, which every machine
-        # has and nothing outside reaches (Ray itself listens on the machine's own address).
-        spec = replace(spec, master_addr=spec.master_addr or "127.0.0.1")
-        ray.init(runtime_env={"env_vars": worker_env})
-    else:
-        ray.init(address=address, runtime_env={"env_vars": worker_env})
-    storage = os.path.abspath(os.path.join(checkpoint_dir, "ray")) if checkpoint_dir else None
-    trainer = TorchTrainer(
-        worker_loop, train_loop_config=asdict(spec),
-        torch_config=no_process_group_config(DEVICE_BACKENDS[spec.device]),
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=spec.device == "cuda",
-                                     resources_per_worker=resources),
-        run_config=RunConfig(name=run_name, storage_path=storage, callbacks=[report_log()],
-                             failure_config=FailureConfig(max_failures=max_failures)))
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    for sig in SIGNALS:
+        # Until Ray's handler or the stop below takes over: a signal still ends the launcher
+        # through the finally below, which removes the private file.
+        signal.signal(sig, _exit_on_signal)
+    setup = ray_setup(spec)
     failed = None
+    stopped: list[str] = []
     try:
-        trainer.fit()
-    except TrainingFailedError as e:
-        failed = failure_reason(e)
+        # Without an address: a cluster of this machine alone, whose workers meet on loopback.
+        ray.init(address=address, runtime_env=setup.runtime_env)
+        config: dict[str, Any] = asdict(setup.spec)
+        if save_on_signal:
+            stop = ray.remote(num_cpus=0)(StopRequest).options(
+                max_concurrency=max(1000, 2 * num_workers)).remote()
+            config["stop"] = stop
+
+            def on_signal(signum: int, _frame: Any) -> None:
+                name = signal.Signals(signum).name
+                if not stopped:
+                    emit_line(f"ray: {name}: every rank saves a checkpoint at its next step and the "
+                              "run ends", sys.stderr)
+                    stop.request.remote(f"{name} (to the launcher)")
+                stopped.append(name)
+
+            for sig in SIGNALS:  # after ray.init, whose SIGTERM handler exits at once
+                signal.signal(sig, on_signal)
+        storage = os.path.abspath(os.path.join(checkpoint_dir, "ray")) if checkpoint_dir else None
+        trainer = TorchTrainer(
+            worker_loop, train_loop_config=config,
+            torch_config=no_process_group_config(DEVICE_BACKENDS[spec.device], save_on_signal),
+            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=spec.device == "cuda",
+                                         resources_per_worker=resources),
+            run_config=RunConfig(name=run_name, storage_path=storage, callbacks=[report_log()],
+                                 failure_config=FailureConfig(max_failures=max_failures)))
+        try:
+            trainer.fit()
+        except TrainingFailedError as e:
+            failed = failure_reason(e)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         ray.shutdown()  # first: Ray's buffered worker lines come out before the reason
+        setup.close()
     if failed is not None:
         print(f"error: training failed on Ray (--max-failures {max_failures}): {failed}", file=sys.stderr)
         return 1
+    if stopped:
+        print(f"ray: stopped by {stopped[0]}; the checkpoint of the last step is in {checkpoint_dir} "
+              "(run the same command again to resume)", file=sys.stderr)
     return 0
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def report_log():
@@ -284,7 +546,9 @@ def failure_reason(e: BaseException) -> str:
     texts = [str(failures[rank]) for rank in sorted(failures)] + [str(e)]
     for text in texts:
         if m := WORKER_REASON.search(text):
-            return f"rank {m.group(1)}: {m.group(3).strip()}"
+            reason = m.group(3).strip()
+            # Reasons from a collective already name their rank.
+            return reason if reason.startswith("rank ") else f"rank {m.group(1)}: {reason}"
     for rank in sorted(failures):
         lines = [line.strip() for line in str(failures[rank]).splitlines() if line.strip()]
         if lines:
