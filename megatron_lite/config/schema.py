@@ -225,9 +225,11 @@ class DistributedConfig:
     corpus takes minutes), instead of ``timeout_minutes``."""
     master_addr: Optional[str] = None
     """The rendezvous host for launchers that do not name one (``launch/ray_train.py``): the
-    first rank listens there. Null: ``MASTER_ADDR`` from the environment, else the address the
-    first worker's Ray node registered with the cluster. Other launchers set ``MASTER_ADDR``
-    themselves (torchrun, ``launch/polaris.sh``, ``launch/gaudi.sh``)."""
+    first rank listens there, so it is used only when it is an address of the node Ray placed
+    the first rank on (otherwise a warning, and the default below). Null: ``MASTER_ADDR`` from
+    the environment under the same check, else loopback when the whole job is on one node, else
+    the address the first worker's Ray node registered with the cluster. Other launchers set
+    ``MASTER_ADDR`` themselves (torchrun, ``launch/polaris.sh``, ``launch/gaudi.sh``)."""
 
 
 @dataclass(frozen=True)
