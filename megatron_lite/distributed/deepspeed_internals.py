@@ -16,12 +16,13 @@ Parameter attributes DeepSpeed reads:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from megatron_lite.distributed.parallel_dims import ParallelDims
+if TYPE_CHECKING:  # parallel_dims imports cpu_extensions, which imports this module
+    from megatron_lite.distributed.parallel_dims import ParallelDims
 
 # How every op builder builds: torch's function, looked up when the build runs (before_every_op_build).
 OP_BUILD_CALL = "from torch.utils.cpp_extension import load"

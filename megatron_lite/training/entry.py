@@ -7,6 +7,7 @@ import atexit
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -14,13 +15,20 @@ from megatron_lite.config import Config
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.logging.console import emit_line
 
+REPORT_GRACE_S = 3.0
+"""How long the other ranks wait before exiting, so that the first rank has printed the reason:
+torchrun and mpiexec stop every rank of the job as soon as one exits with an error."""
+
 
 def report_once(error: Exception | str, env: LaunchEnv | None = None) -> None:
     """A recipe or layout error is the same on every rank: print it from the first rank only."""
     from megatron_lite.distributed import detect
 
-    if (env or detect()).rank == 0:
+    env = env or detect()
+    if env.rank == 0:
         emit_line(f"error: {error}", sys.stderr)
+    else:
+        time.sleep(REPORT_GRACE_S)
 
 
 def exit_process(status: int) -> NoReturn:
@@ -81,8 +89,10 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
     except TopologyError as e:  # the same on every rank
         return 2, str(e), False
-    except (FileNotFoundError, ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
+    except (ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
         return 1, str(e), True
+    except OSError as e:  # the environment (a path, a permission, a full disk): no traceback
+        return 1, f"rank {(env or detect()).rank}: {first_line(e)}", True
     except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
         import traceback
 

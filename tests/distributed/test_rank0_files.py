@@ -26,3 +26,7 @@ def test_a_rank0_file_failure_at_start_stops_every_rank_with_its_reason(tmp_path
     # Rank 1 names rank 0's failure, not a lost peer in a later collective.
     rank1 = [line for line in out.splitlines() if line.startswith("error: rank 1: ")]
     assert len(rank1) == 1 and f"rank 0 failed during {what}" in rank1[0], out
+    # A path the user gave that cannot be written is a one-line reason, not a traceback.
+    # (torchrun prints a traceback of its own; none of the ranks' frames may show.)
+    assert not [line for line in out.splitlines() if line.strip().startswith('File "') and
+                "megatron_lite" in line], out
