@@ -39,13 +39,16 @@ from megatron_lite.data import hf_datasets
 from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_lite.data.preprocess_ranks import (
     Piece,
+    RanksError,
     commit_part,
     committed_part,
     finish,
+    forget_failure,
     forget_part,
     part_prefix,
     piece_blocks,
     rank_inputs,
+    record_failure,
     signature,
     signature_fields,
     tokenizer_fingerprint,
@@ -466,10 +469,27 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
         raise PreprocessError(
             f"{hub[0]} is a Hugging Face dataset: preprocessing on several ranks splits files; "
             "run one rank for it, or save it as parquet/jsonl files and pass those")
+    started = time.time()
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
     fields = signature_fields(paths, world, keys, tokenizer_fingerprint(tokenizer_type, tokenizer_model),
                               append_eod, text_split, separator_policy(tokenizer, append_eod).description)
     sig = signature(fields)
+    try:
+        return _preprocess_part(paths, output_prefix, keys, tokenizer, tokenizer_type, tokenizer_model,
+                                append_eod, workers, text_split, strict, show_progress, split, streaming,
+                                rank, world, wait, sig, fields, started, log)
+    except RanksError:
+        raise  # about the parts on disk, which every rank reads for itself (or still missing)
+    except Exception as e:  # this rank's own work failed: the ranks waiting for it stop with its reason
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        record_failure(output_prefix, rank, world, sig, reason)
+        raise
+
+
+def _preprocess_part(paths, output_prefix, keys, tokenizer, tokenizer_type, tokenizer_model, append_eod,
+                     workers, text_split, strict, show_progress, split, streaming, rank, world, wait, sig,
+                     fields, started, log) -> Summary:
+    forget_failure(output_prefix, rank, world)
     reused = committed_part(output_prefix, keys, rank, world, sig)
     if reused is not None:
         summary = Summary(**reused)
@@ -488,7 +508,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, json_keys: Sequence[st
     def require_documents(parts: list[dict]) -> None:
         _require_documents(_sum_summaries([Summary(**p) for p in parts]), keys)
 
-    parts, merged = finish(output_prefix, keys, rank, world, sig, fields, wait, require_documents, log)
+    parts, merged = finish(output_prefix, keys, rank, world, sig, fields, wait, require_documents, log,
+                           started)
     if parts is None:
         log(f"rank {rank} of {world}: {output_prefix}_*_document written by another rank and verified")
         return summary
@@ -507,11 +528,12 @@ def _require_documents(summary: Summary, keys: Sequence[str]) -> None:
     it, naming what the records hold."""
     if summary.documents:
         return
-    asked = ", ".join(map(repr, keys))
-    if summary.keys_seen:
+    absent = [k for k in keys if k not in summary.keys_seen]
+    if summary.keys_seen and absent:
         raise PreprocessError(
-            f"no document written: no record has the key(s) {asked} (--json-keys); the records have "
-            f"the keys {', '.join(map(repr, summary.keys_seen))}")
+            f"no document written: no record has the key(s) {', '.join(map(repr, absent))} "
+            f"(--json-keys {' '.join(keys)}); the records have the keys "
+            f"{', '.join(map(repr, summary.keys_seen))}")
     if summary.counts:
         why = ", ".join(f"{problem}: {n:,}" for problem, n in summary.counts.items())
         raise PreprocessError(f"no document written: every record was skipped ({why})")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lite.data.indexed import IndexedDataset, dataset_exists, merge
+from megatron_lite.data.indexed import IndexedDataset, merge
 
 
 @dataclass(frozen=True)
@@ -190,19 +190,53 @@ def commit_part(output_prefix: str, rank: int, world: int, sig: str, fields: dic
 
 def committed_part(output_prefix: str, keys: Sequence[str], rank: int, world: int, sig: str) -> dict | None:
     """The summary of this rank's part when an earlier attempt committed it with this signature
-    (the same bytes: reused), else None."""
+    and its files still hold what the summary says (the same bytes: reused), else None."""
     data = read_marker(output_prefix, rank, world)
     if data is None or data.get("signature") != sig:
         return None
-    if not all(dataset_exists(part_prefix(output_prefix, k, rank, world)) for k in keys):
-        return None
-    return data["summary"]
+    return data["summary"] if verified([part_prefix(output_prefix, k, rank, world) for k in keys],
+                                       keys, [data["summary"]]) else None
 
 
 def forget_part(output_prefix: str, rank: int, world: int) -> None:
     """Uncommit this rank's part before rewriting it: a marker left with other inputs or options
     must not stand for the part being written."""
     marker(output_prefix, rank, world).unlink(missing_ok=True)
+
+
+def forget_failure(output_prefix: str, rank: int, world: int) -> None:
+    """At a rank's start: the failure an earlier attempt recorded is not this attempt's."""
+    failure(output_prefix, rank, world).unlink(missing_ok=True)
+
+
+def failure(output_prefix: str, rank: int, world: int) -> Path:
+    return Path(f"{output_prefix}.part-{rank:05d}-of-{world:05d}.failed.json")
+
+
+def record_failure(output_prefix: str, rank: int, world: int, sig: str, reason: str) -> None:
+    """Tell the other ranks, waiting for this one, why it stopped (best effort: the failure being
+    recorded may be the filesystem's)."""
+    path = failure(output_prefix, rank, world)
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"signature": sig, "reason": reason}))
+        os.replace(tmp, path)
+
+
+def _failures(output_prefix: str, world: int, sig: str, since: float) -> list[tuple[int, str]]:
+    """(rank, reason) of the ranks that failed with this signature after ``since`` (an earlier
+    attempt's record is not this one's: the rank's next start removes it)."""
+    out = []
+    for rank in range(world):
+        path = failure(output_prefix, rank, world)
+        try:
+            data = json.loads(path.read_text())
+            recent = path.stat().st_mtime >= since - CLOCK_SKEW_S
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("signature") == sig and recent:
+            out.append((rank, str(data.get("reason", "no reason recorded"))))
+    return out
 
 
 # ---------------------------------------------------------------- the merge lock
@@ -212,6 +246,8 @@ LOCK_STALE_S = 60.0
 """A merge lock whose file has not been refreshed for this long (by this rank's own clock: no
 comparison with another host's) belongs to a merger that is gone."""
 POLL_S = 1.0
+CLOCK_SKEW_S = 5.0
+"""Between this host's clock and the shared filesystem's (file times come from its server)."""
 
 
 def _pid_alive(pid: object) -> bool:
@@ -306,11 +342,10 @@ class MergeLock:
 
 # ---------------------------------------------------------------- merging, waiting, verifying
 
-def verified(output_prefix: str, keys: Sequence[str], parts: list[dict] | None) -> bool:
-    """Every key's merged dataset opens and is consistent; with the parts' summaries known, it
-    holds exactly their documents and tokens."""
-    for key in keys:
-        prefix = f"{output_prefix}_{key}_document"
+def verified(prefixes: Sequence[str], keys: Sequence[str], parts: list[dict] | None) -> bool:
+    """Each key's dataset (``prefixes``, in the order of ``keys``) opens and is consistent; with
+    the parts' summaries known, it holds exactly their documents and tokens."""
+    for prefix, key in zip(prefixes, keys, strict=True):
         try:
             ds = IndexedDataset(prefix)
         except (OSError, ValueError):
@@ -339,30 +374,36 @@ def _merge(output_prefix: str, keys: Sequence[str], world: int) -> None:
 
 
 def finish(output_prefix: str, keys: Sequence[str], rank: int, world: int, sig: str, fields: dict,
-           wait: float, check: Callable[[list[dict]], None], log: Callable[[str], None]
-           ) -> tuple[list[dict] | None, bool]:
+           wait: float, check: Callable[[list[dict]], None], log: Callable[[str], None],
+           started: float) -> tuple[list[dict] | None, bool]:
     """After this rank committed its part: wait, at most ``wait`` seconds, until the merged
     dataset exists and verifies, merging it here when every part is committed and no live rank
     holds the merge lock. Returns (the parts' summaries when known, whether this rank merged).
     ``check`` sees the summaries before a merge and raises to refuse it.
 
     Raises ``PartsPending`` when parts are still missing at the deadline and ``RanksError`` when
-    a part was written from other inputs or options (naming the fields), a merger holds the lock
-    past the deadline, or the dataset does not verify."""
+    a part was written from other inputs or options (naming the fields), another rank of this
+    run failed (``record_failure`` after ``started``: its reason), a merger holds the lock past
+    the deadline, or the dataset does not verify."""
     deadline = time.monotonic() + wait
     lock = MergeLock(output_prefix)
     directory = Path(output_prefix).parent
     known: list[dict] | None = None
+    merged = [f"{output_prefix}_{key}_document" for key in keys]
     while True:
         # Listing the directory revalidates a network filesystem's cached view of it (NFS caches
         # "no such file" for a while after another host created one).
         with contextlib.suppress(OSError):
             os.listdir(directory)
+        failed = [(r, why) for r, why in _failures(output_prefix, world, sig, started) if r != rank]
+        if failed:
+            r, why = failed[0]
+            raise RanksError(f"rank {r} of {world} failed: {why}")
         markers = [read_marker(output_prefix, r, world) for r in range(world)]
         own = markers[rank]
         late = time.monotonic() >= deadline
         if own is None:  # a merger consumed the parts: the dataset is in place
-            if verified(output_prefix, keys, known):
+            if verified(merged, keys, known):
                 return known, False
             if late:
                 raise RanksError(
@@ -379,7 +420,7 @@ def finish(output_prefix: str, keys: Sequence[str], rank: int, world: int, sig: 
                 known = [m["summary"] for m in markers]
                 if _try_merge(lock, output_prefix, keys, world, known, check, log):
                     try:
-                        if not verified(output_prefix, keys, known):
+                        if not verified(merged, keys, known):
                             raise RanksError(f"the merged {output_prefix}_*_document does not hold the "
                                              "parts' documents and tokens: rerun every rank")
                         _remove_parts(output_prefix, keys, world)
@@ -419,7 +460,12 @@ def _try_merge(lock: MergeLock, output_prefix: str, keys: Sequence[str], world: 
         if reason != "released":
             log(f"took over {lock.path}: {reason}")
     try:
-        check(parts)
+        try:
+            check(parts)
+        except Exception:
+            # Refused as a whole (no document at all): the parts can never make a dataset.
+            _remove_parts(output_prefix, keys, world)
+            raise
         _merge(output_prefix, keys, world)
     except FileNotFoundError:
         # Another merger (one that took over this lock) finished and removed the parts.
@@ -439,3 +485,4 @@ def _remove_parts(output_prefix: str, keys: Sequence[str], world: int) -> None:
                 Path(part_prefix(output_prefix, key, rank, world) + suffix).unlink(missing_ok=True)
     for rank in range(world):
         marker(output_prefix, rank, world).unlink(missing_ok=True)
+        failure(output_prefix, rank, world).unlink(missing_ok=True)

@@ -240,12 +240,53 @@ def test_an_unrefreshed_lock_is_taken_over_and_a_waiting_rank_sees_the_merge(cor
 
 
 def test_a_typo_in_json_keys_writes_nothing_and_names_the_keys(corpus):
-    # One process, then two ranks (the whole run has no document: the last rank refuses to merge).
-    assert _preprocess_cli(corpus, "--json-keys", "txt", "--rank", "0", "--world-size", "2").returncode == 3
+    # One process, then two ranks (the whole run has no document: the last rank refuses to merge
+    # and removes the parts, which can never make a dataset).
     for ranks in ([], ["--rank", "1", "--world-size", "2"]):
+        if ranks:
+            first = _preprocess_cli(corpus, "--json-keys", "txt", "--rank", "0", "--world-size", "2")
+            assert first.returncode == 3, first.stderr
         proc = _preprocess_cli(corpus, "--json-keys", "txt", *ranks)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "no document written" in proc.stderr and "'txt'" in proc.stderr
         assert "'meta', 'text'" in proc.stderr
-        assert not (corpus / "out" / "o_txt_document.bin").exists()
-        assert not (corpus / "out" / "o_txt_document.idx").exists()
+        assert not list((corpus / "out").glob("o_txt_document*")), list((corpus / "out").iterdir())
+        assert not list((corpus / "out").glob("*.done.json"))
+    # Only the keys no record has are named; the typo fixed, the ranks write the dataset.
+    proc = _preprocess_cli(corpus, "--json-keys", "text", "txt")
+    assert proc.returncode == 2 and "no record has the key(s) 'txt' (" in proc.stderr, proc.stderr
+    assert _preprocess_cli(corpus, "--rank", "0", "--world-size", "2").returncode == 3
+    assert _preprocess_cli(corpus, "--rank", "1", "--world-size", "2").returncode == 0
+    assert _written(corpus) == _single_process_bytes(corpus)
+
+
+def test_a_damaged_committed_part_is_rebuilt_not_reused(corpus):
+    assert _preprocess_cli(corpus, "--rank", "0", "--world-size", "2").returncode == 3
+    part = corpus / "out" / "o_text_document.part-00000-of-00002.bin"
+    part.write_bytes(part.read_bytes()[:-4])  # a truncated copy, a disk error
+    again = _preprocess_cli(corpus, "--rank", "0", "--world-size", "2")
+    assert again.returncode == 3 and "reused" not in again.stdout, again.stdout + again.stderr
+    assert _preprocess_cli(corpus, "--rank", "1", "--world-size", "2").returncode == 0
+    assert _written(corpus) == _single_process_bytes(corpus)
+
+
+def test_a_rank_that_fails_stops_the_ranks_waiting_for_it(tmp_path):
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:  # conftest puts the environment's bin first on PATH
+        pytest.skip("no mpiexec: the test extra installs MPICH's (pip install -e '.[test]')")
+    # Rank 1's share has a bad line and --strict refuses it; rank 0 finishes its part first and
+    # waits for rank 1 (an hour by default under a launcher, which does not stop it): it must stop
+    # with rank 1's reason instead.
+    lines = [json.dumps({"text": f"ab{'ba' * (i + 5)}"}) for i in range(20)]
+    lines[15] = "{not json"
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    CharTokenizer.build("ab", tmp_path / "chars.json")
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
+         str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "o"), "--tokenizer-type",
+         "char", "--tokenizer-model", str(tmp_path / "chars.json"), "--no-progress", "--strict"],
+        cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "malformed JSON (--strict)" in proc.stderr, proc.stderr
+    assert "error: rank 1 of 2 failed: " in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "o_text_document.bin").exists()
