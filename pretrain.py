@@ -137,6 +137,18 @@ def _plan(cfg, values: dict, suggest: bool = False) -> int:
                 cfg.training.micro_batch_size * (per_node // replica) or 1):
             world = replica
     device, mfu = values.get("--device", "A100-40GB"), values.get("--mfu", 0.4)
+    tok = cfg.data.tokenizer
+    if cfg.model.vocab_size is None and tok.model is not None:
+        # A plan with a guessed vocabulary would size another model's embedding and loss: a
+        # tokenizer that cannot be sized offline is refused, as --dry-run refuses it (exit 2,
+        # since 1 means the plan does not fit).
+        from megatron_lite.data.tokenizers import vocab_size_offline
+
+        try:
+            vocab_size_offline(tok.type, tok.model, tok.vocab_size)
+        except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         if suggest:
             lines, fits = suggest_report(cfg, values.get("--world-size", per_node), per_node, device, mfu)

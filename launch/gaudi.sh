@@ -27,6 +27,12 @@ if [[ -n "${HOSTFILE:-}" && ! -f "$HOSTFILE" ]]; then
     echo "error: HOSTFILE=$HOSTFILE does not exist: give a file of \"host slots=N\" lines, or leave HOSTFILE unset for this node alone" >&2
     exit 2
 fi
+# A host line is one that is neither blank nor a comment, as both launchers read the file.
+HOST_LINE='^[[:space:]]*[^#[:space:]]'
+if [[ -n "${HOSTFILE:-}" ]] && ! grep -q "$HOST_LINE" "$HOSTFILE"; then
+    echo "error: HOSTFILE=$HOSTFILE names no host: give a file of \"host slots=N\" lines, or leave HOSTFILE unset for this node alone" >&2
+    exit 2
+fi
 
 MODE=$("$PYTHON" pretrain.py "$RECIPE" "$@" --get training.hpu_mode)
 case "$MODE" in
@@ -37,7 +43,7 @@ esac
 export PT_HPU_LAZY_MODE="$LAZY"
 export HABANA_VISIBLE_MODULES="${HABANA_VISIBLE_MODULES:-$(seq -s, 0 $((HPUS - 1)))}"
 export DS_ACCELERATOR=hpu
-MASTER_ADDR="${MASTER_ADDR:-$([[ -n "${HOSTFILE:-}" ]] && awk 'NF {print $1; exit}' "$HOSTFILE" || hostname)}"
+MASTER_ADDR="${MASTER_ADDR:-$([[ -n "${HOSTFILE:-}" ]] && awk 'NF && $1 !~ /^#/ {print $1; exit}' "$HOSTFILE" || hostname)}"
 export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
 
 ARGS=(pretrain.py "$RECIPE" training.device=hpu "$@")
@@ -58,7 +64,8 @@ case "${LAUNCHER:-deepspeed}" in
         CMD=(deepspeed --num_gpus "$HPUS" ${HOSTFILE:+--hostfile "$HOSTFILE"} --master_addr "$MASTER_ADDR"
              --master_port "$MASTER_PORT" "${ARGS[@]}") ;;
     mpirun)
-        NNODES=$([[ -n "${HOSTFILE:-}" ]] && grep -c . "$HOSTFILE" || echo 1)
+        NNODES=1
+        [[ -n "${HOSTFILE:-}" ]] && NNODES=$(grep -c "$HOST_LINE" "$HOSTFILE")  # at least 1: checked above
         EXPORTS=()
         for name in "${FORWARD[@]}" MASTER_ADDR MASTER_PORT; do EXPORTS+=(-x "$name"); done
         CMD=(mpirun -n $((NNODES * HPUS)) --map-by "ppr:$HPUS:node" --bind-to none

@@ -71,11 +71,20 @@ fi
 
 NODEFILE="${PBS_NODEFILE:-}"
 if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
-NNODES=$([[ -n "$NODEFILE" ]] && sort -u "$NODEFILE" | grep -c . || echo 1)
+NNODES=1
+if [[ -n "$NODEFILE" ]]; then
+    # grep -c prints 0 and fails when no line matches: its count is the answer either way (a
+    # fallback after || would append a second number).
+    NNODES=$(sort -u "$NODEFILE" | grep -c .) || true
+    if [[ "$NNODES" == 0 || -z "$NNODES" ]]; then
+        echo "error: PBS_NODEFILE=$NODEFILE names no node: give a file of host names, one per line, or leave PBS_NODEFILE unset for this node alone" >&2
+        exit 2
+    fi
+fi
 PPN="${NGPUS_PER_NODE:-4}"
 [[ "$PPN" =~ ^[1-9][0-9]*$ ]] || { echo "error: NGPUS_PER_NODE=$PPN: give the ranks per node, a positive integer" >&2; exit 2; }
 NRANKS=$((NNODES * PPN))
-MASTER_ADDR=$([[ -n "$NODEFILE" ]] && head -n 1 "$NODEFILE" || hostname)
+MASTER_ADDR=$([[ -n "$NODEFILE" ]] && awk 'NF {print $1; exit}' "$NODEFILE" || hostname)
 export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
 
 # NCCL over the Slingshot network through the AWS OFI (libfabric) plugin, as ALCF documents for

@@ -29,14 +29,23 @@ def _check_choices(obj: Any, prefix: str, problems: list[str]) -> None:
 # what they are most often set for. Any other value (``deepspeed.zero_optimization=false``) would
 # slip past the check that the block agrees with the recipe, then either replace the generated
 # section (a ZeRO-3 recipe training at stage 0) or fail inside DeepSpeed with a TypeError.
+# tests/unit/test_config.py derives the top-level ones from the installed DeepSpeed (the keys
+# whose DeepSpeedConfig takes ``{}`` but not a boolean or a number) and fails when this list
+# misses one. ``optimizer`` and ``scheduler`` are not here: the engine refuses them in any form.
+# ``amp`` is a mapping where DeepSpeed still has it and a removed section where not.
+_PRECISION = "the precision is training.precision"
 DEEPSPEED_SECTIONS = {
-    "zero_optimization": "the stage is parallel.zero_stage", "bf16": "the precision is training.precision",
-    "bfloat16": "the precision is training.precision", "fp16": "the precision is training.precision",
+    "zero_optimization": "the stage is parallel.zero_stage",
     "zero_optimization.offload_optimizer": "the device is parallel.offload_optimizer",
     "zero_optimization.offload_param": "the device is parallel.offload_params",
-    "pipeline": "", "activation_checkpointing": "", "flops_profiler": "", "checkpoint": "",
-    "data_types": "", "aio": "", "amp": "", "tensorboard": "", "wandb": "", "csv_monitor": "",
-    "comms_logger": "",
+    "bf16": _PRECISION, "bfloat16": _PRECISION, "fp16": _PRECISION, "torch_autocast": _PRECISION,
+    "amp": _PRECISION, "compile": "torch.compile is training.compile",
+    "tensor_parallel": "tensor parallelism is parallel.tensor",
+    "activation_checkpointing": "recomputation is model.activation_checkpointing",
+    "pipeline": "", "flops_profiler": "", "checkpoint": "",
+    "data_types": "", "aio": "", "tensorboard": "", "wandb": "", "csv_monitor": "", "comet": "",
+    "comms_logger": "", "timers": "", "autotuning": "", "data_efficiency": "", "expert_parallel": "",
+    "hybrid_engine": "", "weight_quantization": "",
 }
 
 

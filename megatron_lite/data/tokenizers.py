@@ -306,21 +306,53 @@ def vocab_size_offline(kind: str, path: str | Path, stated: int | None) -> int:
     (exact), else ``stated`` (the recipe's ``data.tokenizer.vocab_size``), else a Hub tokenizer's
     from the local Hugging Face cache. Without a network the Hub client retries for about 40 s
     before it gives up, for a number the recipe usually states. FileNotFoundError (one line) when
-    none of them gives the size."""
+    none of them gives the size; ValueError (one line, naming the file) when the tokenizer on
+    disk cannot be read."""
     if Path(path).exists():
-        return load_tokenizer(kind, path).vocab_size
+        try:
+            return load_tokenizer(kind, path).vocab_size
+        except Exception as e:  # JSON, protobuf or tokenizers errors that name no file
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ValueError(f"tokenizer '{path}' (data.tokenizer.model) cannot be read: "
+                             f"{_unreadable_file(Path(path))}{reason}; save it again, or point "
+                             "data.tokenizer.model at a working copy") from None
     if stated is not None:
         return stated
     fix = "set data.tokenizer.vocab_size=N (or model.vocab_size=N)"
-    if kind == "huggingface" and is_hub_id(str(path)):
+    hub = kind == "huggingface" and is_hub_id(str(path))
+    if hub:
         from transformers import AutoTokenizer
 
         try:
             return len(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
         except Exception:  # not in the cache (or unreadable there): the same answer
-            raise FileNotFoundError(
-                f"tokenizer '{path}' is neither a local directory nor in the Hugging Face cache, and "
-                f"sizing the model does not download it: {fix}, or save it first (hf download {path} "
-                "--local-dir DIR) and pass DIR") from None
+            pass
+    # 'data/gpt2' is spelled like a Hub id, but where its directory 'data' exists here it is
+    # meant as a path: a download command for a Hub repository 'data/gpt2' would mislead.
+    if hub and not _looks_local(str(path)):
+        raise FileNotFoundError(
+            f"tokenizer '{path}' is neither a local directory nor in the Hugging Face cache, and "
+            f"sizing the model does not download it: {fix}, or save it first (hf download {path} "
+            "--local-dir DIR) and pass DIR")
+    make = "save the tokenizer there (save_pretrained)" if kind == "huggingface" else "build it"
     raise FileNotFoundError(f"the vocabulary size comes from the tokenizer '{path}', which does not "
-                            f"exist yet (data.tokenizer.model): build it, or {fix}")
+                            f"exist yet (data.tokenizer.model): {make}, or {fix}")
+
+
+def _looks_local(name: str) -> bool:
+    """Whether a Hub-id-shaped ``name`` reads as a path here: its first directory exists."""
+    parent = Path(name).parent
+    return parent != Path(".") and parent.is_dir()
+
+
+def _unreadable_file(path: Path) -> str:
+    """'FILE: ' for the first JSON file of a tokenizer directory that does not parse (the parsers'
+    messages give a line and column but no file name); '' where none is found."""
+    if not path.is_dir():
+        return f"{path}: "
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text())
+        except (OSError, ValueError):
+            return f"{file}: "
+    return ""

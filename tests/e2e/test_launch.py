@@ -137,7 +137,7 @@ def test_gaudi_dry_run_sets_the_execution_mode(mode, lazy):
 
 def test_gaudi_mpirun_over_a_hostfile(tmp_path):
     hosts = tmp_path / "hosts"
-    hosts.write_text("g1 slots=8\ng2 slots=8\n")
+    hosts.write_text("# the job's nodes\n\ng1 slots=8\ng2 slots=8\n")  # comments are not hosts
     out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", LAUNCHER="mpirun",
                   HOSTFILE=str(hosts))
     assert out.returncode == 0, out.stderr
@@ -249,6 +249,24 @@ def test_gaudi_refuses_a_missing_hostfile_and_a_bad_hpu_count(tmp_path):
         (line,) = out.stderr.strip().splitlines()
         assert line.startswith("error: ") and named in line
 
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_an_empty_node_file_or_hostfile_is_one_line(tmp_path, content):
+    """A node file that names no host: one line naming it, exit 2 (a count of 0 once ran into
+    a shell arithmetic error, then an unbound variable)."""
+    empty = tmp_path / "nodes"
+    empty.write_text(content)
+    runs = [("polaris.sh", "recipes/shakespeare-char.yaml", {"PBS_NODEFILE": str(empty)},
+             f"PBS_NODEFILE={empty} names no node")]
+    runs += [("gaudi.sh", "recipes/llama2-7b-gaudi.yaml", {"HOSTFILE": str(empty), "LAUNCHER": launcher},
+              f"HOSTFILE={empty} names no host") for launcher in ("mpirun", "deepspeed")]
+    for script, recipe, env, named in runs:
+        out = _launch(script, "--dry-run", recipe, **env)
+        assert out.returncode == 2, (script, env, out.stdout, out.stderr)
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith("error: ") and named in line, line
+        assert "pretrain.py" not in out.stdout
 
 def test_polaris_overrides_that_cannot_be_split_stop_the_job(tmp_path):
     """An OVERRIDES the shell rules cannot split (an unbalanced quote) stops the job, naming it,

@@ -77,6 +77,34 @@ def test_dry_run_and_plan_take_the_vocabulary_without_the_network(tmp_path):
         assert says in line and "set data.tokenizer.vocab_size=N" in line, line
 
 
+
+def test_a_tokenizer_that_cannot_be_sized_is_one_line_for_plan_and_dry_run(tmp_path):
+    """--plan refuses as --dry-run does (no assumed vocabulary: it would size another model),
+    with exit 2 (1 is a plan that does not fit). A missing path shaped like a Hub id whose
+    directory exists is a missing local copy, not a Hub download; a Hub name is not said to
+    "not exist yet"; a tokenizer.json that does not parse is named."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # nothing answers
+    broken = tmp_path / "tok"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("")
+    (broken / "tokenizer_config.json").write_text("{}")
+    cases = (
+        ("recipes/gpt2-tokenizer", ["tokenizer 'recipes/gpt2-tokenizer', which does not exist yet",
+                                    "save the tokenizer there"], "hf download"),
+        ("nope-org/nope-tok", ["'nope-org/nope-tok' is neither a local directory nor in the Hugging "
+                               "Face cache", "hf download nope-org/nope-tok --local-dir DIR"],
+         "does not exist yet"),
+        (str(broken), [f"{broken / 'tokenizer.json'}: Expecting value: line 1 column 1"], "Traceback"),
+    )
+    for flag, status in (("--dry-run", 1), ("--plan", 2)):
+        for model, says, never in cases:
+            proc = run_pretrain(["recipes/gpt2-124m.yaml", flag, "data.tokenizer.vocab_size=null",
+                                 f"data.tokenizer.model={model}"], env=env, timeout=120)
+            assert proc.returncode == status, (flag, model, proc.stdout, proc.stderr)
+            (line,) = proc.stderr.strip().splitlines()
+            assert line.startswith("error: ") and all(s in line for s in says), (flag, line)
+            assert never not in line and "assumed" not in proc.stdout + line, (flag, line)
+
 def test_plan_refuses_a_machine_that_cannot_be():
     """A negative world, no devices per node or an MFU of 4000% are mistakes, not plans."""
     for option, value in (("--world-size", "-8"), ("--gpus-per-node", "0"), ("--mfu", "40"),
@@ -92,7 +120,8 @@ def test_a_deepspeed_section_that_is_not_a_mapping_is_refused_before_anything_is
     """deepspeed.zero_optimization=false would replace the generated section (a ZeRO-3 recipe
     training at stage 0, its manifest saying 3); deepspeed.bf16=true fails inside DeepSpeed."""
     for override, named in (("deepspeed.zero_optimization=false", "'deepspeed.zero_optimization' = False"),
-                            ("deepspeed.bf16=true", "'deepspeed.bf16' = True")):
+                            ("deepspeed.bf16=true", "'deepspeed.bf16' = True"),
+                            ("deepspeed.timers=false", "'deepspeed.timers' = False")):
         proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "parallel.zero_stage=3", override])
         assert proc.returncode == 2, proc.stdout[-2000:]
         assert f"{named} must be a mapping" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

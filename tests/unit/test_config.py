@@ -1,3 +1,5 @@
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,72 @@ def test_deepspeed_passthrough_and_section_errors():
     with pytest.raises(ConfigError, match="is a section"):
         load_config(REPO / "recipes/shakespeare-char.yaml", ["model=3"])
 
+
+
+def _deepspeed_accepts(block: dict) -> bool:
+    """Whether the installed DeepSpeed's config parser takes ``block`` (with a batch size)."""
+    from deepspeed import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, **block})
+    except Exception:
+        return False
+    return True
+
+
+def test_deepspeed_sections_are_every_section_the_installed_deepspeed_reads_as_a_mapping():
+    """DEEPSPEED_SECTIONS is a list by hand (config loading does not import DeepSpeed); this
+    derives it from the installed release, so a section DeepSpeed adds fails here instead of as
+    a TypeError from inside deepspeed.initialize. Candidates: every identifier-like string in
+    the modules DeepSpeed's config parser imports; a section is one whose parser takes ``{}``
+    but refuses a boolean or a number (deepspeed.timers=false, deepspeed.compile=true)."""
+    import logging
+    import sys
+
+    import deepspeed.runtime.config  # noqa: F401  (loads every module the parser reads keys in)
+
+    from megatron_lite.config.validate import DEEPSPEED_SECTIONS
+
+    candidates: set[str] = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] != "deepspeed" or not path or not path.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"[a-z][a-z0-9_]*", node.value):
+                candidates.add(node.value)
+    quiet = logging.getLogger("DeepSpeed")
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        sections = {key for key in candidates - {"train_batch_size", "train_micro_batch_size_per_gpu"}
+                    if _deepspeed_accepts({key: {}})
+                    and not all(_deepspeed_accepts({key: v}) for v in (True, False, 1, 0))}
+        listed = set(DEEPSPEED_SECTIONS)
+        # The engine refuses these in any form: the recipe builds the optimizer and schedule.
+        missing = sections - listed - {"optimizer", "scheduler"}
+        assert not missing, f"add to megatron_lite/config/validate.py DEEPSPEED_SECTIONS: {sorted(missing)}"
+        for dotted in listed - sections:
+            *parents, leaf = dotted.split(".")
+            block: dict = {}
+            node = block
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node[leaf] = {}
+            # A nested section, or one this release removed (refused whatever its value).
+            if _deepspeed_accepts(block):
+                node[leaf] = False
+                assert not _deepspeed_accepts(block), f"DeepSpeed reads deepspeed.{dotted} as a scalar"
+    finally:
+        quiet.level = level
+
+
+@pytest.mark.parametrize("override", ["deepspeed.timers=false", "deepspeed.torch_autocast=true",
+                                      "deepspeed.compile=true", "deepspeed.tensor_parallel=1"])
+def test_a_deepspeed_section_given_a_scalar_is_a_config_problem(override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"'{key}' = {value.title()} must be a mapping"):
+        load_config(REPO / "recipes/shakespeare-char.yaml", [override])
 
 def test_malformed_override():
     with pytest.raises(ConfigError, match="dotted.key=value"):
