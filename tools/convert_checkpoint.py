@@ -33,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", type=Path, help="HF tokenizer directory to copy into the export")
     a = p.parse_args(argv)
     try:
+        if a.output.exists() and not a.output.is_dir():
+            raise ValueError(f"{a.output} exists and is not a directory; give a new or existing "
+                             "directory as the output")
         if a.to:
-            out = export_hf(a.input, a.output, a.tokenizer)
+            # export_hf raises unless the files it wrote are there: "wrote" is never said of
+            # nothing.
+            out = export_hf(a.input, a.output, a.tokenizer, log=lambda m: print(m, file=sys.stderr))
             print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
         else:
             if a.output.exists() and any(a.output.iterdir()):

@@ -25,6 +25,7 @@ from megatron_lite.checkpoint.shards import (
     file_fragments,
     load_fragments,
     local_fragments,
+    shape_mismatches,
 )
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
@@ -32,6 +33,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
 from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 
 # Fields that make a checkpoint's weights mean something: loading into a model that differs in
@@ -293,7 +295,7 @@ class Checkpointer:
         candidates = []
         for path in paths:
             try:
-                candidates.append((path, store.read_manifest(path)))
+                candidates.append((path, store.read_manifest(path, store.RESUME_SECTIONS)))
             except CheckpointError as e:
                 if not ck.load_fallback:
                     raise CheckpointError(f"cannot resume: {e}. Set checkpoint.load_fallback=true to "
@@ -343,10 +345,9 @@ class Checkpointer:
         saved = {k: saved.get(k, defaults[k]) for k in ARCHITECTURE}
         diff = [f"model.{k}: checkpoint {saved[k]!r}, recipe {current[k]!r}"
                 for k in ARCHITECTURE if saved[k] != current[k]]
-        saved_length = manifest["data"]["seq_length"]
+        saved_length = manifest["data"].get("seq_length")
         if saved_length is not None and saved_length != self.cfg.data.seq_length:
-            diff.append(f"data.seq_length: checkpoint {manifest['data']['seq_length']}, recipe "
-                        f"{self.cfg.data.seq_length}")
+            diff.append(f"data.seq_length: checkpoint {saved_length}, recipe {self.cfg.data.seq_length}")
         if diff and self.cfg.checkpoint.strict_model:
             raise CheckpointError(f"{path} was written for a different model:\n  " + "\n  ".join(diff)
                                   + "\nset checkpoint.strict_model=false to load it anyway")
@@ -412,7 +413,7 @@ class Checkpointer:
         if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
             for path in store.committed_steps(self.root):
                 try:
-                    manifest = store.read_manifest(path)
+                    manifest = store.read_manifest(path, store.RESUME_SECTIONS)
                 except Exception as e:  # rank 0 alone: never leave the others in the broadcast
                     self.log(f"warning: not rolling back to {path}: {e}")
                     continue
@@ -445,7 +446,7 @@ class Checkpointer:
         if self.dims.rank == 0:
             try:
                 if target is not None:
-                    candidates = [(target, store.read_manifest(target))]
+                    candidates = [(target, store.read_manifest(target, store.RESUME_SECTIONS))]
                 else:
                     candidates = self._candidates()
             except CheckpointError as e:
@@ -480,7 +481,17 @@ class Checkpointer:
                     fragments += file_fragments(states[entry["name"]], file.stat().st_size)
                 except ValueError as e:
                     raise CheckpointError(f"{file}: {e}") from None
-            load_fragments(self.engine, Assembler(fragments), manifest["step"])
+            assembler = Assembler(fragments)
+            # Before anything is assembled: a manifest whose model section does not describe its
+            # weights (or strict_model=false) is refused by name, not as a size error midway.
+            mismatched = shape_mismatches(
+                {spec(p).name: spec(p).full_shape for p in self.engine.module.parameters()}, assembler,
+                self.model_cfg.tokenizer_vocab_size or self.model_cfg.vocab_size)
+            if mismatched:
+                more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+                raise CheckpointError(f"its weights do not fit this model: {mismatched[0]}{more}; "
+                                      "resume with the recipe it was written with")
+            load_fragments(self.engine, assembler, manifest["step"])
         except Exception as e:
             error = CheckpointError(f"loading {path} failed on rank {self.dims.rank}: {e}")
         raise_together(error, self.dims, "loading the checkpoint")

@@ -16,7 +16,7 @@ checkpoint loads into any tensor/pipeline/data-parallel size and ZeRO stage.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +172,13 @@ class Assembler:
     def names(self) -> set[str]:
         return set(self.by_name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole shape of ``name`` its fragments record (bounded by what they hold), without
+        assembling it."""
+        frags = self.by_name[name]
+        self._check_extent(name, frags)
+        return whole_shape(frags[0].slice_shape, frags[0].cuts)
+
     def full(self, name: str, key: str) -> torch.Tensor:
         frags = self.by_name.get(name)
         if not frags:
@@ -212,6 +219,29 @@ class Assembler:
         if math.prod(whole_shape(shape, cuts)) > pieces:
             raise ValueError(f"the checkpoint's fragments of '{name}' do not cover it: files "
                              "are missing")
+
+
+def shape_mismatches(expected: Mapping[str, Sequence[int]], assembler: Assembler,
+                     vocab: int) -> list[str]:
+    """Each parameter of ``expected`` (name -> whole shape) that the checkpoint lacks or records
+    with another shape, in words. A vocabulary parameter may have more rows (another layout's
+    padding) but not fewer than ``vocab``, the tokenizer's ids. Compared before anything is
+    assembled: the shapes come from the fragments' records."""
+    problems = []
+    names = assembler.names()
+    for name, shape in expected.items():
+        shape = tuple(shape)
+        if name not in names:
+            problems.append(f"{name} is not in the checkpoint")
+            continue
+        have = assembler.shape(name)
+        if name in VOCAB_PARAMETERS and len(have) == len(shape):
+            fits = have[1:] == shape[1:] and have[0] >= vocab
+        else:
+            fits = have == shape
+        if not fits:
+            problems.append(f"{name} is {list(have)} in the checkpoint, {list(shape)} in this model")
+    return problems
 
 
 def _fit_vocabulary(where: ShardSpec, full: torch.Tensor) -> torch.Tensor:

@@ -17,20 +17,26 @@ any moment leaves the previous checkpoint and ``latest`` valid.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
 import shutil
 import socket
+import stat
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
+
+from megatron_lite.config.schema import ModelConfig
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -87,13 +93,49 @@ def _numpy_array_globals() -> list:
 def load_rank_file(file: Path):
     """A rank's file, read with torch's weights-only unpickler: tensors, containers, numbers and
     strings only, so a file planted in a shared checkpoint directory cannot run code. Anything
-    else is a ``CheckpointError`` naming the file."""
+    else, and a file that is not a regular one (a link to elsewhere), is a ``CheckpointError``
+    naming the file."""
+    fd = open_regular(file)
     try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{file} holds objects other than tensors and plain values, which are "
-                              f"not loaded (they could run code): {_unpickling_reason(e)}") from None
+        try:
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{file} holds objects other than tensors and plain values, which "
+                                  f"are not loaded (they could run code): {_unpickling_reason(e)}") from None
+        # torch opens the file by name again: it must still be the one checked above.
+        now, checked = os.stat(file, follow_symlinks=False), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (checked.st_dev, checked.st_ino):
+            raise CheckpointError(f"{file} was replaced while it was read; restore the checkpoint")
+    finally:
+        os.close(fd)
+    return state
+
+
+def open_regular(file: Path) -> int:
+    """A read-only descriptor of ``file``, which must be a regular file itself: a symbolic link
+    (or a device, a FIFO, a directory) in a checkpoint would have verify and load read whatever
+    it points at, outside the checkpoint. Refused by name (``CheckpointError``); the check is
+    made on the open descriptor, so the name cannot be swapped for a link in between."""
+    try:
+        # O_NONBLOCK: opening a planted FIFO must not wait for a writer.
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    except OSError as e:
+        if os.path.islink(file):  # O_NOFOLLOW's ELOOP
+            raise CheckpointError(f"{file} is a symbolic link (to {os.readlink(file)}), not a file of "
+                                  "the checkpoint; a checkpoint's files are read only when they are "
+                                  "regular files inside it: put the file itself there, or use another "
+                                  "checkpoint") from None
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CheckpointError(f"{file} is not a regular file (mode {stat.filemode(mode)}); a "
+                              "checkpoint's files are read only when they are regular files inside "
+                              "it: restore it, or use another checkpoint")
+    return fd
 
 
 def _unpickling_reason(error: BaseException) -> str:
@@ -133,9 +175,19 @@ def commit(root: Path, tmp: Path, manifest: dict) -> Path:
     return final
 
 
-def read_manifest(path: Path) -> dict:
+# A manifest's sections other than ``files`` and ``step``, with the type each must have where
+# present (a checkpoint written by this project has them all; a loader names the ones it needs).
+SECTIONS: dict[str, type] = {
+    "consumed_samples": int, "consumed_tokens": int, "topology": dict, "model": dict, "data": dict,
+    "config": str, "versions": dict, "saved_at": str, "token_ids": dict, "generation_token_ids": dict}
+RESUME_SECTIONS = ("consumed_samples", "topology", "model", "data")
+"""What a run resuming from a checkpoint reads of its manifest."""
+
+
+def read_manifest(path: Path, required: Iterable[str] = ()) -> dict:
     """The manifest of checkpoint ``path``; any problem (missing, unreadable, corrupt, of
-    another format or shape) is a ``CheckpointError`` naming the file."""
+    another format or shape, a section of the wrong type, a ``required`` section absent) is a
+    ``CheckpointError`` naming the file."""
     file = path / MANIFEST
     try:
         manifest = json.loads(file.read_text())
@@ -149,14 +201,81 @@ def read_manifest(path: Path) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{file}: format {found!r}, this version reads format {FORMAT_VERSION}")
     files = manifest.get("files")
-    if not (isinstance(manifest.get("step"), int) and isinstance(files, list) and all(
-            isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("bytes"), int)
+    if not (_is_count(manifest.get("step")) and isinstance(files, list) and all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and _is_count(f.get("bytes"))
             and isinstance(f.get("sha256"), str) for f in files)):
         raise CheckpointError(f"{file} is not a checkpoint manifest (no integer 'step', or 'files' "
                               "is not a list of name/bytes/sha256 entries)")
+    problem = _section_problem(manifest, required)
+    if problem:
+        raise CheckpointError(f"{file} is not a valid checkpoint manifest: {problem}; restore it, or "
+                              "use another checkpoint")
     for entry in files:
         listed_file(path, entry)
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _section_problem(manifest: dict, required: Iterable[str]) -> str | None:
+    """What is wrong with the sections a loader reads (None: nothing). Checked here, once, so
+    that none of them reaches a loader as a traceback or as a size to allocate."""
+    for key in required:
+        if key not in manifest:
+            return f"it has no '{key}' section"
+    for key, kind in SECTIONS.items():
+        value = manifest.get(key)
+        # A null recipe reads as none (an export then takes nothing from it).
+        if key not in manifest or (value is None and key == "config"):
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            name = {int: "a count", dict: "a mapping", str: "a string"}[kind]
+            return f"'{key}' is {_short(value)}, not {name}"
+    model = manifest.get("model", {})
+    for key, value in model.items():
+        problem = _model_field_problem(key, value)
+        if problem:
+            return f"model.{key}={_short(value)}: {problem}"
+    length = manifest.get("data", {}).get("seq_length")
+    if length is not None and not (_is_count(length) and length > 0):
+        return f"data.seq_length={_short(length)} is not a positive integer"
+    for key in ("token_ids", "generation_token_ids"):
+        for name, value in manifest.get(key, {}).items():
+            if not (value is None or _is_count(value)
+                    or (isinstance(value, list) and all(_is_count(v) for v in value))):
+                return f"{key}.{name}={_short(value)} is not a token id, a list of them or null"
+    return None
+
+
+def _model_field_problem(key: str, value: Any) -> str | None:
+    """What is wrong with a model field's recorded value, by ``ModelConfig``'s type for it (fields
+    it does not have are not read from a manifest)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if key not in fields:
+        return None
+    spec = fields[key]
+    kind = str(spec.type)
+    if value is None:
+        # A recorded vocabulary is always resolved: null would leave export nothing to size by.
+        return None if kind.startswith("Optional[") and key != "vocab_size" else "may not be null"
+    choices = spec.metadata.get("choices")
+    if choices is not None:
+        return None if value in choices else f"is not one of {list(choices)}"
+    if "bool" in kind:
+        return None if isinstance(value, bool) else "is not true or false"
+    if "int" in kind:
+        return None if _is_count(value) and value > 0 else "is not a positive integer"
+    if "float" in kind:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok and value >= 0 else "is not a non-negative number"
+    return None
 
 
 def listed_file(path: Path, entry: dict) -> Path:
@@ -173,22 +292,22 @@ def listed_file(path: Path, entry: dict) -> Path:
 
 
 def verify(path: Path, manifest: dict, entries: list[dict] | None = None) -> None:
-    """Every file listed (or just ``entries``, a share of the manifest's files) exists with its
-    size and SHA-256; the first problem is raised by name. An entry that is a path refuses the
-    whole manifest before any file is read (every rank's share alike)."""
+    """Every file listed (or just ``entries``, a share of the manifest's files) is a regular file
+    of the checkpoint with its size and SHA-256; the first problem is raised by name. An entry
+    that is a path refuses the whole manifest before any file is read (every rank's share
+    alike)."""
     for entry in manifest["files"]:
         listed_file(path, entry)
     for entry in manifest["files"] if entries is None else entries:
         file = listed_file(path, entry)
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing")
+        fd = open_regular(file)
         try:
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise CheckpointError(f"{file} is {size} bytes, the manifest says {entry['bytes']} "
-                                      "(truncated or overwritten)")
-            digest = hashlib.sha256()
-            with open(file, "rb") as f:
+            with os.fdopen(fd, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry["bytes"]:
+                    raise CheckpointError(f"{file} is {size} bytes, the manifest says {entry['bytes']} "
+                                          "(truncated or overwritten)")
+                digest = hashlib.sha256()
                 for block in iter(lambda: f.read(1 << 24), b""):
                     digest.update(block)
         except OSError as e:  # EACCES, EIO, ...

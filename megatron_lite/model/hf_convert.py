@@ -248,10 +248,15 @@ def _check_exportable(cfg: ModelConfig) -> None:
                          f"{target}, which it does not match: " + "; ".join(wrong))
 
 
-def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateDict]:
+def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
+          token_ids: Mapping[str, Any] | None = None) -> tuple[Any, StateDict]:
     """A transformers config and state dict for our model (Llama-style, Qwen3-style with
-    ``qk_norm``, or GPT-2-style)."""
+    ``qk_norm``, or GPT-2-style). ``token_ids``: the config's special-token ids
+    (``bos_token_id``, ...); the ones not given are null, never the class's defaults, which
+    are ids of another vocabulary (GPT-2's 50256, Llama's 1 and 2)."""
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
+
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(token_ids or {})}
 
     used = cfg.tokenizer_vocab_size or cfg.vocab_size
     if used < cfg.vocab_size:  # the padding rows are ours alone
@@ -264,7 +269,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
                             n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=n_inner,
                             layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-                            activation_function="gelu_new" if cfg.activation == "gelu" else "gelu")
+                            activation_function="gelu_new" if cfg.activation == "gelu" else "gelu", **ids)
         return hf_cfg, gpt2_to_hf(sd, cfg)
     if cfg.qk_norm:
         hf_cfg = Qwen3Config(
@@ -272,7 +277,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
-            use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings,
+            use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings, **ids,
         )
         return hf_cfg, llama_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(
@@ -280,6 +285,6 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Any, StateD
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
-        tie_word_embeddings=cfg.tie_embeddings,
+        tie_word_embeddings=cfg.tie_embeddings, **ids,
     )
     return hf_cfg, llama_to_hf(sd, cfg)

@@ -35,6 +35,9 @@ def test_hf_export_matches_our_logits_and_imports_back(tmp_path):
     # Fields the checkpoint's architecture leaves out come from the recipe it was trained with.
     exported = json.loads((tmp_path / "hf/config.json").read_text())
     assert (exported["rms_norm_eps"], exported["max_position_embeddings"]) == (1e-6, 96)
+    # The recipe's character vocabulary has no special tokens: none is written (Llama's 1 and 2
+    # would be characters here).
+    assert [exported[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None] * 3
 
     _, cfg, weights = read_model(ck)
     ours = build_model(cfg).eval()
@@ -67,8 +70,7 @@ def test_a_hub_model_id_without_network_is_one_line_naming_it(tmp_path):
 
 
 # Written by transformers from the config alone, not what the model computes.
-NOT_ARCHITECTURE = {"transformers_version", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
-                    "use_cache", "initializer_range"}
+NOT_ARCHITECTURE = {"transformers_version", "dtype", "use_cache", "initializer_range"}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
@@ -84,7 +86,7 @@ def _save_tiny_llama(out, **kwargs):
         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 96,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": False,
-        **kwargs})
+        "bos_token_id": 5, "eos_token_id": 6, "pad_token_id": 7, **kwargs})
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -100,10 +102,15 @@ def test_hf_import_then_export_gives_the_same_config_and_logits(tmp_path):
     _convert("--from", "hf", str(tmp_path / "hf"), str(tmp_path / "ck"))
     _convert("--to", "hf", str(tmp_path / "ck"), str(tmp_path / "back"))
 
+    # The special-token ids included: the model's own, not the class's defaults (1 and 2).
     before = json.loads((tmp_path / "hf/config.json").read_text())
     after = json.loads((tmp_path / "back/config.json").read_text())
     for field in sorted((before.keys() | after.keys()) - NOT_ARCHITECTURE):
         assert after.get(field) == before.get(field), field
+    before = json.loads((tmp_path / "hf/generation_config.json").read_text())
+    after = json.loads((tmp_path / "back/generation_config.json").read_text())
+    assert {k: v for k, v in after.items() if "token_id" in k} == {k: v for k, v in before.items()
+                                                                    if "token_id" in k} != {}
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     tokens = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -14,12 +14,16 @@ from megatron_lite.config import load_config
 from megatron_lite.distributed import ParallelDims
 from tests.conftest import REPO
 
+# The sections a resume reads, in a manifest written by hand.
+RESUMABLE = {"consumed_samples": 0, "topology": {}, "model": {}, "data": {"seq_length": None}}
+
 
 def _save(root, step, payload=b"x" * 1000):
     tmp = root / f".tmp-{store.step_name(step)}"
     tmp.mkdir(parents=True)
     files = [store.write_rank_file(tmp, r, {"rank": r, "payload": payload}) for r in range(2)]
-    return store.commit(root, tmp, {"format": store.FORMAT_VERSION, "step": step, "files": files})
+    return store.commit(root, tmp, {"format": store.FORMAT_VERSION, "step": step, "files": files,
+                                    **RESUMABLE})
 
 
 def _chooser(root, *overrides):
@@ -308,7 +312,7 @@ def _with_files(root, step, names):
     path = root / store.step_name(step)
     (path / "a").mkdir(parents=True)
     entry = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
-    manifest = {"format": store.FORMAT_VERSION, "step": step,
+    manifest = {"format": store.FORMAT_VERSION, "step": step, **RESUMABLE,
                 "files": [{"name": name, **entry} for name in names]}
     (path / store.MANIFEST).write_text(json.dumps(manifest))
     (root / "latest").write_text(path.name + "\n")
@@ -364,7 +368,7 @@ def test_a_fragment_larger_than_its_file_is_refused_before_it_is_read(tmp_path):
     tmp = tmp_path / ".tmp-step_00000003"
     tmp.mkdir()
     files = [store.write_rank_file(tmp, 0, state)]
-    store.commit(tmp_path, tmp, {"format": store.FORMAT_VERSION, "step": 3, "files": files,
+    store.commit(tmp_path, tmp, {"format": store.FORMAT_VERSION, "step": 3, "files": files, **RESUMABLE,
                                  "model": architecture(chooser.model_cfg),
                                  "data": {"seq_length": chooser.cfg.data.seq_length}})
     with pytest.raises(CheckpointError, match=r"step_00000003/rank_00000.pt: fragment of 'w' records "
@@ -426,3 +430,218 @@ def test_two_abandons_of_a_same_named_checkpoint_keep_both(tmp_path):
     payloads = [store.load_rank_file(p / "rank_00000.pt")["payload"] for p in first + second + third]
     assert payloads == [b"first", b"second", b"third"]
     assert store.read_latest(tmp_path) == keep
+
+
+# ---------------------------------------------------------------- export and tampered manifests
+
+CHAR_MODEL = dict(vocab_size=65, vocab_multiple=1, n_layers=1, n_heads=4, d_model=32, max_seq_len=16,
+                  position="learned", norm="layernorm", activation="gelu_exact", bias=True,
+                  tie_embeddings=True)
+
+
+def _trained_checkpoint(root, tokenizer=("char", None)):
+    """A checkpoint as a run of shakespeare-char's model writes it (one rank, no training): its
+    fragments, and a manifest whose recipe names ``tokenizer`` (kind, path; a 65-character
+    vocabulary by default)."""
+    import json
+
+    import yaml
+
+    from megatron_lite.checkpoint.checkpointer import architecture
+    from megatron_lite.checkpoint.shards import Fragment
+    from megatron_lite.config.schema import ModelConfig
+    from megatron_lite.model import build_model
+
+    kind, model_path = tokenizer
+    if model_path is None:
+        model_path = root / "chars.json"
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        model_path.write_text(json.dumps([chr(c) for c in range(32, 32 + 65)]))
+    cfg = ModelConfig(**CHAR_MODEL)
+    fragments = []
+    for name, p in build_model(cfg).named_parameters():
+        flat = p.detach().reshape(-1).clone()
+        fragments.append(Fragment(name, tuple(p.shape), (), 0, {"param": flat, "exp_avg": flat * 0,
+                                                                "exp_avg_sq": flat * 0}).to_dict())
+    tmp = root / ".tmp-step_00000001"
+    tmp.mkdir(parents=True)
+    files = [store.write_rank_file(tmp, 0, {"rank": 0, "fragments": fragments, "rng": None})]
+    recipe = {"data": {"seq_length": 16, "tokenizer": {"type": kind, "model": str(model_path)}},
+              "model": {"max_seq_len": 16}}
+    return store.commit(root, tmp, {
+        "format": store.FORMAT_VERSION, "step": 1, "consumed_samples": 4, "topology": {"world_size": 1},
+        "model": architecture(cfg), "data": {"seq_length": 16, "tokenizer": kind}, "files": files,
+        "config": yaml.safe_dump(recipe)})
+
+
+def _tool(capsys, *args):
+    """tools/convert_checkpoint.py in this process: (exit status, stdout, stderr lines)."""
+    from tools.convert_checkpoint import main
+
+    status = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return status, out, [line for line in err.splitlines() if line.strip()]
+
+
+def _tamper(path, change):
+    import json
+
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    change(manifest)
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_an_export_onto_a_file_is_refused_and_wrote_is_said_only_of_what_is_there(
+        tmp_path, capsys, monkeypatch):
+    path = _trained_checkpoint(tmp_path / "ck")
+    target = tmp_path / "existing"
+    target.write_text("keep me")
+    status, out, err = _tool(capsys, "--to", "hf", path, target)
+    assert status == 2 and not out and len(err) == 1, err
+    assert err[0].startswith("error: ") and f"{target} exists and is not a directory" in err[0]
+    assert target.read_text() == "keep me"
+    # A write that transformers gives up on without raising (it logs, writes nothing).
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", lambda self, *a, **k: None)
+    status, out, err = _tool(capsys, "--to", "hf", path, tmp_path / "hf")
+    assert status == 2 and "wrote" not in out and "did not write config.json, model.safetensors" in err[-1]
+
+
+def test_a_listed_file_that_is_a_link_or_not_a_file_is_refused_everywhere(tmp_path, capsys):
+    """A rank file swapped for a symbolic link to a file outside the checkpoint (the same bytes,
+    so its size and SHA-256 match) is refused by name on verify, load and export."""
+    path = _trained_checkpoint(tmp_path / "ck")
+    rank = path / "rank_00000.pt"
+    outside = tmp_path / "outside.pt"
+    rank.rename(outside)
+    rank.symlink_to(outside)
+    problem = f"{rank} is a symbolic link (to {outside}), not a file of the checkpoint"
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        store.verify(path, store.read_manifest(path))
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        store.load_rank_file(rank)
+    chooser, _ = _chooser(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=re.escape(problem)) as error:
+        chooser.load()
+    assert "\n" not in str(error.value)
+    status, out, err = _tool(capsys, "--to", "hf", path, tmp_path / "hf")
+    assert status == 2 and not out and len(err) == 1 and problem in err[0], err
+    rank.unlink()
+    rank.mkdir()
+    with pytest.raises(CheckpointError, match=re.escape(f"{rank} is not a regular file")):
+        store.verify(path, store.read_manifest(path))
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: m.update(model=None), "'model' is None, not a mapping"),
+    (lambda m: m.update(data=[1]), "'data' is [1], not a mapping"),
+    (lambda m: m.update(topology="x"), "'topology' is 'x', not a mapping"),
+    (lambda m: m.pop("model"), "it has no 'model' section"),
+    (lambda m: m["model"].update(n_heads=0), "model.n_heads=0: is not a positive integer"),
+    (lambda m: m["model"].update(norm="batchnorm"), "model.norm='batchnorm': is not one of"),
+    (lambda m: m["data"].update(seq_length="64"), "data.seq_length='64' is not a positive integer"),
+], ids=["model-null", "data-list", "topology", "no-model", "heads", "norm", "seq-length"])
+def test_a_manifest_section_of_the_wrong_type_is_refused_on_resume_and_export(tmp_path, capsys, change,
+                                                                               named):
+    path = _trained_checkpoint(tmp_path / "ck")
+    _tamper(path, change)
+    chooser, _ = _chooser(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=re.escape(named)) as error:
+        chooser.load()
+    assert "\n" not in str(error.value)
+    status, out, err = _tool(capsys, "--to", "hf", path, tmp_path / "hf")
+    assert status == 2 and len(err) == 1 and named in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: m.update(files=[]), "its files hold no tok_emb.weight"),
+    (lambda m: m["model"].update(vocab_size=1_000_000_000), "model.vocab_size=1000000000 does not match "
+                                                            "the weights (tok_emb.weight has 65 rows)"),
+    (lambda m: m["model"].update(vocab_size=100), "model.vocab_size=100 does not match"),
+    (lambda m: m["model"].update(d_model=256), "model.d_model=256 does not match the weights "
+                                               "(tok_emb.weight is 32 wide)"),
+    (lambda m: m["model"].update(n_layers=1_000_000_000), "model.n_layers=1000000000 does not match"),
+    (lambda m: m["model"].update(n_heads=5), "model.n_heads=5 with model.n_kv_heads=4 does not divide"),
+    (lambda m: m["model"].update(ffn_hidden=64), "model.ffn_hidden=64 or model.activation='gelu_exact' "
+                                                 "does not match the weights (blocks.0.mlp.up_proj"),
+    (lambda m: m["model"].update(tie_embeddings=False), "model.tie_embeddings=False does not match the "
+                                                        "weights (lm_head.weight is not in the checkpoint"),
+    (lambda m: m["model"].update(bias=False), "model.bias=False does not match"),
+], ids=["no-files", "vocab-huge", "vocab", "width", "layers-huge", "heads", "ffn", "tied", "bias"])
+def test_model_fields_that_do_not_describe_the_weights_are_refused_before_anything_is_built(
+        tmp_path, capsys, monkeypatch, change, named):
+    """Compared with the shapes the fragments record: nothing is assembled, and no model (or
+    vocabulary of a billion rows) is built, before the field is named."""
+    from megatron_lite.checkpoint import convert
+
+    path = _trained_checkpoint(tmp_path / "ck")
+    _tamper(path, change)
+    assembled = []
+    monkeypatch.setattr(convert.Assembler, "full", lambda self, *a: assembled.append(a))
+    status, out, err = _tool(capsys, "--to", "hf", path, tmp_path / "hf")
+    assert status == 2 and len(err) == 1 and named in err[0] and "Traceback" not in err[0], err
+    assert assembled == [] and not (tmp_path / "hf").exists()
+
+
+def test_a_resume_into_a_model_its_weights_do_not_fit_names_the_parameter():
+    import torch
+
+    from megatron_lite.checkpoint.shards import Assembler, Fragment, shape_mismatches
+
+    def fragment(name, shape):
+        flat = torch.zeros(shape).reshape(-1)
+        return Fragment(name, shape, (), 0, {"param": flat, "exp_avg": flat, "exp_avg_sq": flat})
+
+    assembler = Assembler([fragment("tok_emb.weight", (128, 32)), fragment("norm.weight", (32,))])
+    # More vocabulary rows than the model's: another layout's padding, cut off on load.
+    assert shape_mismatches({"tok_emb.weight": (96, 32), "norm.weight": (32,)}, assembler, 65) == []
+    assert shape_mismatches({"tok_emb.weight": (256, 32), "norm.weight": (64,), "w": (2,)}, assembler,
+                            200) == ["tok_emb.weight is [128, 32] in the checkpoint, [256, 32] in this model",
+                                     "norm.weight is [32] in the checkpoint, [64] in this model",
+                                     "w is not in the checkpoint"]
+
+
+def _hf_tokenizer(directory, bos, eos):
+    """A word-level Hugging Face tokenizer of 65 tokens whose bos and eos are the given ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(65)}
+    vocab["<s>"], vocab["</s>"] = bos, eos
+    del vocab[f"w{bos}"], vocab[f"w{eos}"]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")),
+                                  bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(directory)
+    return directory
+
+
+IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def test_an_export_writes_the_recipe_tokenizers_ids_and_never_one_outside_the_vocabulary(tmp_path, capsys):
+    import json
+
+    # A character vocabulary has no special tokens: null, not GPT-2's 50256 (of another vocabulary).
+    path = _trained_checkpoint(tmp_path / "char")
+    status, _, _ = _tool(capsys, "--to", "hf", path, tmp_path / "hf-char")
+    written = json.loads((tmp_path / "hf-char/config.json").read_text())
+    assert status == 0 and [written[k] for k in IDS] == [None] * 3
+    generation = json.loads((tmp_path / "hf-char/generation_config.json").read_text())
+    assert generation.get("bos_token_id") is None and generation.get("eos_token_id") is None
+
+    tokenizer = _hf_tokenizer(tmp_path / "tok", bos=3, eos=4)
+    path = _trained_checkpoint(tmp_path / "hf-tok", tokenizer=("huggingface", tokenizer))
+    status, _, _ = _tool(capsys, "--to", "hf", path, tmp_path / "hf")
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((tmp_path / "hf" / name).read_text())
+        assert (status, written["bos_token_id"], written["eos_token_id"]) == (0, 3, 4), name
+
+    _tamper(path, lambda m: m.update(token_ids={"bos_token_id": 7, "eos_token_id": [8, 50256],
+                                                "pad_token_id": 50256}))
+    status, _, err = _tool(capsys, "--to", "hf", path, tmp_path / "hf-recorded")
+    written = json.loads((tmp_path / "hf-recorded/config.json").read_text())
+    assert status == 0 and [written[k] for k in IDS] == [7, [8], None]
+    assert any("pad_token_id=50256 names ids outside the vocabulary of 65; written as null" in e for e in err)

@@ -198,3 +198,14 @@ def test_export_refuses_a_model_its_target_class_would_compute_differently():
     llama_cfg, llama_sd = from_hf(_tiny_llama())
     with pytest.raises(ValueError, match=r"exports as Llama.*model.activation='gelu_exact'"):
         to_hf(llama_sd, dataclasses.replace(llama_cfg, activation="gelu_exact"))
+
+
+@pytest.mark.parametrize("make_hf", MODELS, ids=IDS)
+def test_export_writes_the_given_token_ids_and_null_for_the_others(make_hf):
+    """Not the target class's defaults (GPT-2's 50256, Llama's 1 and 2): ids of another
+    vocabulary."""
+    cfg, sd = from_hf(make_hf())
+    hf_cfg, _ = to_hf(sd, cfg, {"bos_token_id": 5, "eos_token_id": [6, 7]})
+    assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (5, [6, 7], None)
+    hf_cfg, _ = to_hf(sd, cfg)
+    assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (None, None, None)
