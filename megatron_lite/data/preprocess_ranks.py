@@ -453,9 +453,7 @@ def _try_merge(lock: MergeLock, output_prefix: str, keys: Sequence[str], world: 
     On success the lock is still held (released after the parts are removed)."""
     if not lock.acquire():
         reason = lock.gone()
-        if reason is None or (reason != "released" and not lock.take_over()):
-            return False
-        if reason == "released" and not lock.acquire():
+        if reason is None or not lock.take_over():  # a released lock: take_over just acquires
             return False
         if reason != "released":
             log(f"took over {lock.path}: {reason}")

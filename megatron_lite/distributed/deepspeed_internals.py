@@ -16,13 +16,10 @@ Parameter attributes DeepSpeed reads:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:  # parallel_dims imports cpu_extensions, which imports this module
-    from megatron_lite.distributed.parallel_dims import ParallelDims
 
 # How every op builder builds: torch's function, looked up when the build runs (before_every_op_build).
 OP_BUILD_CALL = "from torch.utils.cpp_extension import load"
@@ -73,14 +70,14 @@ def is_pipe_replicated(param: nn.Parameter) -> bool:
     return bool(getattr(param, PIPE_REPLICATED, False))
 
 
-def mark_pipeline_parameters(pipe: nn.Module, dims: ParallelDims, tied_copy: nn.Parameter | None) -> None:
+def mark_pipeline_parameters(pipe: nn.Module, tp_rank: int, tied_copy: nn.Parameter | None) -> None:
     """DeepSpeed's pipeline gradient norm counts a parameter that is not tensor-parallel only on
     model-parallel rank 0, which under pipelining is one stage: count each stage's replicated
     parameters on its tensor rank 0 instead; ``tied_copy`` (the last stage's copy of the tied
     embedding) is counted on the first stage only."""
     for p in pipe.parameters():
         setattr(p, PIPE_REPLICATED, p is tied_copy)
-        if dims.tp_rank == 0:
+        if tp_rank == 0:
             setattr(p, MODEL_PARALLEL, True)
 
 

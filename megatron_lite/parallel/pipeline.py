@@ -109,7 +109,7 @@ def _stage_pipeline_class() -> type:
                 weight = stage.tok_emb.weight if first else self.head.weight
                 self._tied = [(weight, dims.group("embedding"))]
             deepspeed_internals.mark_pipeline_parameters(
-                self, dims, tied_copy=self.head.weight if tied and last else None)
+                self, dims.tp_rank, tied_copy=self.head.weight if tied and last else None)
 
         def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             """The mean next-token loss of the last stage's normed hidden states (B, T, D)."""
