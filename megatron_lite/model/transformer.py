@@ -25,29 +25,31 @@ VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
 """Parameters with one row per vocabulary id (rows past ``tokenizer_vocab_size`` are padding)."""
 
 
-def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...],
+                  seed: int) -> torch.Tensor:
     """The initial value of the parameter called ``name`` (its name in ``Transformer``).
 
     GPT-2/Megatron init: N(0, init_std) for weights, the output projections of the residual
     branches N(0, init_std/sqrt(2·n_layers)) so the residual stream's variance does not grow with
     depth, norms 1, biases 0. Drawn from a generator seeded by (seed, name) alone; padding rows
     of the vocabulary are zero, so the real rows are the same however far the vocabulary is
-    padded.
+    padded. Always drawn on the CPU, and copied to the device by the caller: a CUDA generator
+    draws other numbers than the CPU one, and Gaudi's bridge refuses device generators, while
+    every device and layout must start from the same weights.
     """
     used = cfg.tokenizer_vocab_size or shape[0]
     if name in VOCAB_PARAMETERS and used < shape[0]:
-        real = initial_value(cfg, name, (used, *shape[1:]), seed, device)
+        real = initial_value(cfg, name, (used, *shape[1:]), seed)
         return torch.cat([real, real.new_zeros(shape[0] - used, *shape[1:])])
     if name.endswith("bias"):
-        return torch.zeros(shape, device=device)
+        return torch.zeros(shape)
     if "norm." in name:
-        return torch.ones(shape, device=device)
+        return torch.ones(shape)
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std /= math.sqrt(2 * cfg.n_layers)
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -230,7 +232,7 @@ class Transformer(nn.Module):
         split over ranks or pipeline stages starts from exactly the same weights."""
         for name, param in self.named_parameters():
             if param.device.type != "meta":
-                param.copy_(initial_value(self.cfg, name, param.shape, seed, param.device))
+                param.copy_(initial_value(self.cfg, name, param.shape, seed))
         self.reset_buffers()
 
     @torch.no_grad()

@@ -147,7 +147,8 @@ def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str,
                                    requires_grad=old.requires_grad)
                 new.__dict__.update(old.__dict__)  # the ShardSpec and DeepSpeed's marks
                 where = spec(new)
-                new.copy_(where.local(initial_value(cfg, where.name, where.full_shape, seed, device)))
+                # Drawn whole on the host; only this rank's slice goes to the device.
+                new.copy_(where.local(initial_value(cfg, where.name, where.full_shape, seed)))
                 comm.register_gradient_sum(new)
                 done[id(old)] = new
             setattr(sub, key, done[id(old)])

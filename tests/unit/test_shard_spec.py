@@ -30,6 +30,26 @@ def test_one_process_build_tags_every_parameter_with_its_plain_name_and_initial_
         torch.testing.assert_close(p.detach(), initial_value(CFG, name, p.shape, 3), rtol=0, atol=0)
 
 
+def test_a_device_without_generators_builds_the_model(monkeypatch):
+    """Gaudi's bridge refuses ``torch.Generator(device="hpu")``; torch refuses one on the meta
+    device the same way, so a build for meta stands in for a build on HPU. The weights are
+    drawn on the host: the CPU build's values are what every device gets."""
+    with pytest.raises(RuntimeError):
+        torch.Generator(device="meta")
+    dims = ParallelDims(world_size=1, rank=0, local_rank=0, tensor=1, pipeline=1, data=1)
+    made: list[str] = []
+    real = torch.Generator
+
+    def recording(device="cpu"):
+        made.append(str(device))
+        return real(device=device)
+
+    monkeypatch.setattr(torch, "Generator", recording)
+    built = build_parallel_model(CFG, dims, "meta", seed=3)
+    assert all(p.device.type == "meta" for p in built.parameters())
+    assert made and set(made) == {"cpu"}
+
+
 def test_slices_of_all_ranks_put_back_together_give_the_full_tensor():
     full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
     whole = ShardSpec("w", (8, 6))
