@@ -82,6 +82,13 @@ def main(argv: list[str]) -> int:
     if "--plan" in flags:
         return _plan(cfg, values, suggest="--suggest" in flags)
 
+    # Habana's bridge reads PT_HPU_LAZY_MODE once, when it is imported, and since torch 2.5
+    # `import torch` imports it (device autoload): the recipe's mode goes into the environment
+    # before the first torch import (a launcher's export wins; select_accelerator refuses a
+    # bridge already loaded in another mode).
+    import os
+
+    os.environ.setdefault("PT_HPU_LAZY_MODE", "1" if cfg.training.hpu_mode == "lazy" else "0")
     from megatron_lite.training.entry import train_to_exit_status
 
     return train_to_exit_status(cfg)
@@ -162,6 +169,7 @@ def _plan(cfg, values: dict, suggest: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_lite.training.entry import exit_process
+    status = main(sys.argv[1:])
+    from megatron_lite.training.entry import exit_process  # imports torch: only after main's
 
-    exit_process(main(sys.argv[1:]))
+    exit_process(status)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,8 +79,15 @@ def cpu_unless_accelerator() -> None:
 
 def select_accelerator(device: str, hpu_mode: str = "lazy"):
     """DeepSpeed's accelerator for ``device`` ('auto' lets DeepSpeed detect it). On Gaudi the
-    execution mode must be chosen before Habana's PyTorch bridge is imported."""
-    os.environ.setdefault("PT_HPU_LAZY_MODE", "1" if hpu_mode == "lazy" else "0")
+    execution mode must be chosen before Habana's PyTorch bridge is imported: a bridge that
+    is already loaded (torch imports it since 2.5) in another mode is refused."""
+    want = "1" if hpu_mode == "lazy" else "0"
+    have = os.environ.setdefault("PT_HPU_LAZY_MODE", want)
+    if have != want and device in ("hpu", "auto") and "habana_frameworks" in sys.modules:
+        raise RuntimeError(f"training.hpu_mode={hpu_mode} needs PT_HPU_LAZY_MODE={want}, but Habana's "
+                           f"bridge was loaded with PT_HPU_LAZY_MODE={have}: export PT_HPU_LAZY_MODE="
+                           f"{want} before starting Python (launch/gaudi.sh does), or set "
+                           f"training.hpu_mode to match")
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
     else:

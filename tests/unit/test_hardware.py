@@ -4,6 +4,9 @@ no-ops elsewhere and plug into the same seams the CPU path uses."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.model import build_model
 from megatron_lite.parallel.apply import use_device_kernels
-from tests.conftest import REPO
+from tests.conftest import REPO, cpu_env
 
 DIRECT_CUDA = re.compile(r"torch\.cuda\b|\.cuda\(")
 
@@ -167,3 +170,34 @@ def test_habana_kernels_plug_into_the_seams_and_compute_the_same(monkeypatch):
     torch.testing.assert_close(norm, norm_ref, rtol=1e-4, atol=0)
     for a, b in zip(reference.parameters(), params, strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_the_recipes_hpu_mode_is_in_the_environment_before_torch_is_imported(tmp_path):
+    """torch >= 2.5 imports Habana's bridge with torch itself, and the bridge reads
+    PT_HPU_LAZY_MODE then: pretrain.py must export the recipe's mode before the first torch
+    import. The probe records the variable at that import and stops the run there."""
+    probe = (
+        "import builtins, os, sys\n"
+        "real = builtins.__import__\n"
+        "def hook(name, *a, **k):\n"
+        "    if name == 'torch' or name.startswith('torch.'):\n"
+        "        print('MODE', os.environ.get('PT_HPU_LAZY_MODE'), flush=True)\n"
+        "        os._exit(0)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = hook\n"
+        "sys.argv = ['pretrain.py', 'recipes/shakespeare-char.yaml', 'training.hpu_mode=eager']\n"
+        "import runpy; runpy.run_path('pretrain.py', run_name='__main__')\n"
+    )
+    # Without the test harness's sitecustomize (it imports torch at start-up).
+    env = {k: v for k, v in cpu_env().items() if k != "PT_HPU_LAZY_MODE"}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "MODE 0" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_bridge_loaded_in_another_mode_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "habana_frameworks", types.ModuleType("habana_frameworks"))
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    with pytest.raises(RuntimeError, match="training.hpu_mode=eager needs PT_HPU_LAZY_MODE=0.*export"):
+        devmod.select_accelerator("hpu", "eager")
