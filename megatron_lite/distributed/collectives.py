@@ -136,8 +136,9 @@ def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, what: str,
     g = dims.group("control")
     if g is not None and timeout is not None:
         # The waiting ranks may wait longer than a collective should (a large corpus is being
-        # indexed); gloo's barrier takes a timeout of its own.
-        _agree(f"waiting for {what}", lambda: dist.barrier(group=g, timeout=timeout))
+        # indexed). gloo's monitored barrier takes a timeout of its own on every torch setup.py
+        # admits; ``barrier(timeout=)`` exists only since torch 2.10.
+        _agree(f"waiting for {what}", lambda: dist.monitored_barrier(group=g, timeout=timeout))
     raise_together(error, dims, what)
 
 
@@ -268,12 +269,17 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
 def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: send ``x`` to the next rank of ``group`` and receive the previous
     rank's (point to point, as pipeline stages pass activations)."""
-    _check_device(x, group, "isend/recv")
+    _check_device(x, group, "batch_isend_irecv")
     size, me = dist.get_world_size(group), dist.get_rank(group)
     out = torch.empty_like(x)
-    request = dist.isend(x, dist.get_global_rank(group, (me + 1) % size), group=group)
-    dist.recv(out, dist.get_global_rank(group, (me - 1) % size), group=group)
-    request.wait()
+    # One batch: NCCL deadlocks a send and a receive to the same peer issued one after the
+    # other (two ranks both in their send), and HCCL requires them grouped as well.
+    requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + 1) % size), group),
+        dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - 1) % size), group),
+    ])
+    for request in requests:
+        request.wait()
     return out
 
 

@@ -45,6 +45,7 @@ TENSOR_COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
     "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
 )
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
                       "scatter_object_list", "send_object_list", "recv_object_list")
 
@@ -155,7 +156,10 @@ def _check(name: str, args, kwargs):
     on instead of the default group where it would succeed there (else None)."""
     import torch.distributed as dist
 
-    group = _group_of(name, args, kwargs)
+    ops = list(args[0] if args else kwargs.get("p2p_op_list", ())) if name == "batch_isend_irecv" else []
+    group = ops[0].group if ops else _group_of(name, args, kwargs)
+    if ops:  # the tensors and group travel inside the P2POps
+        args, kwargs = ([op.tensor for op in ops],), {}
     default = group is None or group is dist.GroupMember.WORLD
     role = DEVICE_ROLE if default else roles.get(group, DEVICE_ROLE)
     _record(name, "default" if default else role)
@@ -164,7 +168,12 @@ def _check(name: str, args, kwargs):
             f"{name} on {_describe(group)}, called at {_call_site()}: on NCCL/HCCL the pickled "
             "objects are staged through the accelerator (a device sync per call); host-side "
             "agreement belongs on the gloo control group")
-    if default and (name == "barrier" or _from_deepspeed()):
+    if name in POINT_TO_POINT and role != HOST_ROLE and not _from_deepspeed():
+        raise AcceleratorSemanticsError(
+            f"{name} on {_describe(group)}, called at {_call_site()}: on NCCL/HCCL a rank that "
+            "sends to and receives from the same peer must issue both together "
+            "(dist.batch_isend_irecv), or both ranks wait in their send until the watchdog")
+    if default and not ops and (name == "barrier" or _from_deepspeed()):
         return _cpu_world[0]
     if default:
         host = [t for t in _tensors(args, kwargs) if t.device.type == "cpu"]
@@ -235,10 +244,28 @@ def install() -> None:
 
     dist.init_process_group = init_process_group
     dist.new_group = checked_new_group
-    for name in (*TENSOR_COLLECTIVES, *OBJECT_COLLECTIVES, "barrier", "monitored_barrier"):
+    for name in (*TENSOR_COLLECTIVES, *OBJECT_COLLECTIVES, "barrier", "monitored_barrier",
+                 "batch_isend_irecv"):
         _wrap(name)
+    _unwrap_p2p_ops(dist)
     if os.environ.get("DIST_HARNESS_REPORT"):
         atexit.register(_write_report, os.environ["DIST_HARNESS_REPORT"])
+
+
+def _unwrap_p2p_ops(dist) -> None:
+    """``P2POp`` accepts only torch's own ``isend``/``irecv`` (and ``batch_isend_irecv`` tells
+    sends from receives by identity): give it the originals, so that batched point-to-point runs
+    as on a cluster (checked once, as ``batch_isend_irecv``) while a bare ``isend`` is refused."""
+    plain = dist.P2POp
+
+    class P2POp(plain):
+        def __new__(cls, op, *args, **kwargs):
+            return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    dist.P2POp = P2POp
 
 
 def _write_report(folder: str) -> None:

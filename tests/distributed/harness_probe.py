@@ -40,6 +40,9 @@ def main() -> None:
         "control: broadcast_object": lambda: collectives.broadcast_object("x", dims, "probe"),
         "control: raise_together": lambda: collectives.raise_together(None, dims),
         "device: all_reduce": lambda: collectives.all_reduce(torch.ones(2), device_group),
+        "device: ring_exchange": lambda: collectives.ring_exchange(torch.ones(2), device_group),
+        # What deadlocks NCCL on a 2-rank group: a send, then a blocking receive from the peer.
+        "p2p, unbatched": lambda: dist.isend(torch.ones(2), 1 - dims.rank, group=device_group),
     }
     results = {name: attempt(fn) for name, fn in cases.items()}
     results["any_rank value"] = collectives.any_rank([dims.rank == 1], dims)

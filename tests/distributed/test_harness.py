@@ -51,8 +51,10 @@ def test_the_harness_refuses_what_an_accelerator_group_would(tmp_path):
         assert got["object, default group"].startswith("AcceleratorSemanticsError: broadcast_object_list")
         assert got["object, accelerator group"].startswith("AcceleratorSemanticsError: broadcast_object_list")
         assert got["device helper, default group"].startswith("CollectiveError: all_reduce: a host (cpu)")
+        assert got["p2p, unbatched"].startswith("AcceleratorSemanticsError: isend on an accelerator")
+        assert "batch_isend_irecv" in got["p2p, unbatched"]
         for case in ("control: any_rank", "control: broadcast_object", "control: raise_together",
-                     "device: all_reduce"):
+                     "device: all_reduce", "device: ring_exchange"):
             assert got[case] == "ok", (case, got[case])
         assert got["any_rank value"] == [True]
 
