@@ -32,7 +32,21 @@
 #                          minus its resources_used.walltime from qstat (in an interactive job the
 #                          time already spent in it counts)
 #   CHECKPOINT_MARGIN_MIN  minutes before walltime at which the run saves and exits (default 10)
+#   NCCL_OFI_PLUGIN_DIR    folder of the AWS OFI NCCL plugin (libnccl-net.so), NCCL's way onto the
+#                          Slingshot network; default: a folder on LD_LIBRARY_PATH that holds it (a
+#                          module's), else ALCF's newest install under /soft/libraries/aws-ofi-nccl;
+#                          none: do without (NCCL then uses TCP sockets between nodes)
+#   CPU_BIND               mpiexec --cpu-bind value under Cray PALS (default: each rank on the 8
+#                          physical cores of the NUMA domain its GPU is attached to)
+#   CUDA_VISIBLE_DEVICES   kept when set; default under PALS 3,2,1,0, so that local rank r's cuda:r
+#                          is the GPU nearest its cores
+#   PYTORCH_CUDA_ALLOC_CONF  PyTorch's CUDA allocator settings, kept when set (or when
+#                          PYTORCH_ALLOC_CONF is); default expandable_segments:True
 set -euo pipefail
+# The walltime left is read from PBS now: exit_duration_mins counts from this moment, so that
+# the recipe check, imports and model build before training are counted too.
+export LAUNCH_START_EPOCH
+LAUNCH_START_EPOCH=$(date +%s)
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 cd "${PBS_O_WORKDIR:-$(dirname "$0")/..}"
@@ -87,15 +101,64 @@ NRANKS=$((NNODES * PPN))
 MASTER_ADDR=$([[ -n "$NODEFILE" ]] && awk 'NF {print $1; exit}' "$NODEFILE" || hostname)
 export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
 
-# NCCL over the Slingshot network through the AWS OFI (libfabric) plugin, as ALCF documents for
-# PyTorch on Polaris.
-export NCCL_NET_GDR_LEVEL=PHB          # GPU-direct RDMA when GPU and NIC share a PCIe host bridge
-export NCCL_CROSS_NIC=1                # rings may use different NICs on different nodes
-export NCCL_COLLNET_ENABLE=1           # in-network collectives where the fabric offers them
-export NCCL_NET="AWS Libfabric"        # use the OFI plugin, not TCP sockets
+# NCCL reaches the Slingshot network through the AWS OFI (libfabric) plugin, with the settings
+# ALCF's Polaris NCCL page gives (docs.alcf.anl.gov/polaris/applications-and-libraries/libraries/nccl/:
+# the plugin under /soft/libraries/aws-ofi-nccl/VERSION/lib, put on LD_LIBRARY_PATH with its hwloc).
+# NCCL_NET naming the plugin makes NCCL refuse to start when it cannot load it, so the plugin's
+# settings are made only where its library is found. The same page reports hangs and NCCL
+# timeouts with the plugin for some Megatron-DeepSpeed runs, and turns it off as
+# NCCL_OFI_PLUGIN_DIR=none does here.
+OFI_LIB=libnccl-net.so
+ALCF_OFI_ROOT=/soft/libraries/aws-ofi-nccl
+OFI_DIR=""
+if [[ -n "${NCCL_OFI_PLUGIN_DIR:-}" && "$NCCL_OFI_PLUGIN_DIR" != none ]]; then
+    [[ -f "$NCCL_OFI_PLUGIN_DIR/$OFI_LIB" ]] || { echo "error: NCCL_OFI_PLUGIN_DIR=$NCCL_OFI_PLUGIN_DIR has no $OFI_LIB: name the plugin's lib folder, or none to do without it" >&2; exit 2; }
+    OFI_DIR="$NCCL_OFI_PLUGIN_DIR"
+elif [[ -z "${NCCL_OFI_PLUGIN_DIR:-}" ]]; then
+    IFS=: read -ra LIB_DIRS <<< "${LD_LIBRARY_PATH:-}"
+    for dir in "${LIB_DIRS[@]}"; do
+        if [[ -n "$dir" && -f "$dir/$OFI_LIB" ]]; then OFI_DIR="$dir"; break; fi
+    done
+    if [[ -z "$OFI_DIR" ]]; then
+        shopt -s nullglob
+        FOUND=("$ALCF_OFI_ROOT"/*/lib/"$OFI_LIB")
+        shopt -u nullglob
+        if [[ ${#FOUND[@]} -gt 0 ]]; then
+            OFI_DIR=$(dirname "$(printf '%s\n' "${FOUND[@]}" | sort -V | tail -n 1)")
+            [[ -d /soft/libraries/hwloc/lib ]] && export LD_LIBRARY_PATH="/soft/libraries/hwloc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+    fi
+fi
+NOT_FOUND="NCCL: no AWS OFI plugin ($OFI_LIB on LD_LIBRARY_PATH, under $ALCF_OFI_ROOT or in NCCL_OFI_PLUGIN_DIR)"
+if [[ -n "$OFI_DIR" ]]; then
+    [[ ":${LD_LIBRARY_PATH:-}:" == *":$OFI_DIR:"* ]] || export LD_LIBRARY_PATH="$OFI_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export NCCL_NET="${NCCL_NET:-AWS Libfabric}"  # the plugin, not TCP sockets
+    export NCCL_NET_GDR_LEVEL=PHB          # GPU-direct RDMA when GPU and NIC share a PCIe host bridge
+    export NCCL_CROSS_NIC=1                # rings may use different NICs on different nodes
+    export NCCL_COLLNET_ENABLE=1           # in-network collectives where the fabric offers them
+    NCCL_INFO="NCCL: AWS OFI plugin $OFI_DIR/$OFI_LIB (on LD_LIBRARY_PATH), NCCL_NET=$NCCL_NET"
+elif [[ "${NCCL_OFI_PLUGIN_DIR:-}" == none ]]; then
+    unset NCCL_NET NCCL_NET_GDR_LEVEL NCCL_CROSS_NIC NCCL_COLLNET_ENABLE
+    NCCL_INFO="NCCL: AWS OFI plugin off (NCCL_OFI_PLUGIN_DIR=none), NCCL_NET unset: TCP sockets between nodes"
+elif [[ -n "${NCCL_NET:-}" ]]; then
+    NCCL_INFO="$NOT_FOUND: NCCL_NET=$NCCL_NET left as the environment sets it"
+else
+    NCCL_INFO="$NOT_FOUND: NCCL_NET not set, TCP sockets between nodes"
+fi
 export FI_CXI_DISABLE_HOST_REGISTER=1  # avoid libfabric host-memory registration hangs with CUDA
 export FI_MR_CACHE_MONITOR=userfaultfd # a memory-registration cache monitor that works with CUDA
 export FI_CXI_DEFAULT_CQ_SIZE=131072   # larger completion queues for collectives over many ranks
+
+# Allocations whose sizes change from step to step (sequence packing, evaluation, pipeline
+# buffers) fragment the caching allocator's fixed segments; expandable segments grow in place.
+if [[ -n "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+    ALLOC_INFO="allocator: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF (the environment's)"
+elif [[ -n "${PYTORCH_ALLOC_CONF:-}" ]]; then
+    ALLOC_INFO="allocator: PYTORCH_ALLOC_CONF=$PYTORCH_ALLOC_CONF (the environment's)"
+else
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    ALLOC_INFO="allocator: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
+fi
 
 # Stop in time to checkpoint: PBS Pro cannot signal a job before its walltime, so this script
 # does. It sets training.exit_duration_mins (the trainer saves and exits 0 that long after its
@@ -137,16 +200,47 @@ if [[ -z "$FLAVOR" ]]; then
     MPI_VERSION=$(command -v mpiexec > /dev/null && mpiexec --version 2>&1 || true)
     if [[ "${MPI_VERSION,,}" == *hydra* ]]; then FLAVOR=hydra; fi
 fi
-if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher: no depth binding, -genvall exports the env
+if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher (not Polaris): -genvall exports the env
     MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+-hostfile "$NODEFILE"} -genvall)
-else                               # Cray PALS: 16 cores (of 64) per rank, bound by depth
-    MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+--hostfile "$NODEFILE"} --cpu-bind depth -d 16 --envall)
+    PLACE_INFO="placement: none (Hydra; the core lists are for Polaris' Cray PALS)"
+    GPU_INFO="GPUs: local rank r uses cuda:r${CUDA_VISIBLE_DEVICES:+ of CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
+else
+    # A Polaris node has one 32-core CPU (hardware threads 32-63 are the hyperthread siblings of
+    # cores 0-31) in 4 NUMA domains of 8 cores, and GPU g is attached to NUMA domain 3-g (ALCF's
+    # "Polaris Device Affinity Information", docs.alcf.anl.gov/polaris/hardware-overview/machine-overview/;
+    # ALCF's set_affinity_gpu_polaris.sh gives local rank r GPU 3-r). Local rank r gets the
+    # physical cores of domain r and sees the GPUs in reverse, so that the cuda:LOCAL_RANK the
+    # trainer takes is the GPU of its own domain. More ranks than GPUs share the cores evenly.
+    if [[ -z "${CPU_BIND:-}" ]]; then
+        WIDTH=8
+        ((PPN <= 4)) || WIDTH=$((32 / PPN > 0 ? 32 / PPN : 1))
+        CPU_BIND=list
+        for ((r = 0; r < PPN; r++)); do
+            FIRST=$(((r * WIDTH) % 32))
+            RANGE=$FIRST
+            ((WIDTH == 1)) || RANGE+="-$((FIRST + WIDTH - 1))"
+            CPU_BIND+=":$RANGE"
+        done
+        PLACE_INFO="placement: --cpu-bind $CPU_BIND (local rank r on the 8 physical cores of NUMA domain r)"
+        ((PPN <= 4)) || PLACE_INFO="placement: --cpu-bind $CPU_BIND ($PPN ranks on 32 physical cores)"
+    else
+        PLACE_INFO="placement: --cpu-bind $CPU_BIND (CPU_BIND)"
+    fi
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        GPU_INFO="GPUs: local rank r uses cuda:r of CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES (the environment's)"
+    elif ((PPN <= 4)); then
+        export CUDA_VISIBLE_DEVICES=3,2,1,0
+        GPU_INFO="GPUs: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: local rank r's cuda:r is GPU 3-r, on the NUMA domain of its cores"
+    else
+        GPU_INFO="GPUs: $PPN ranks per node for 4 GPUs: CUDA_VISIBLE_DEVICES not set"
+    fi
+    MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+--hostfile "$NODEFILE"} --cpu-bind "$CPU_BIND" --envall)
 fi
 CMD=("${MPI[@]}" "${PYTHON:-python}" "$PROGRAM" ${RECIPE:+"$RECIPE"} "${OVERRIDES_ARR[@]}")
 
 INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
 [[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
-echo "$INFO"
+printf '%s\n' "$NCCL_INFO" "$PLACE_INFO" "$GPU_INFO" "$ALLOC_INFO" "$INFO"
 QUOTED=$(printf '%q ' "${CMD[@]}")  # as a shell would need it: each argument's bounds visible
 echo "${QUOTED% }"
 [[ $DRY_RUN -eq 1 ]] && exit 0
@@ -157,7 +251,8 @@ MPI_PID=$!
 trap 'kill -TERM "$MPI_PID" 2> /dev/null' TERM
 trap 'kill -USR1 "$MPI_PID" 2> /dev/null' USR1
 if [[ -n "$SIGNAL_AFTER_S" ]] && ((SIGNAL_AFTER_S > 0)); then
-    (sleep "$SIGNAL_AFTER_S" && kill -USR1 "$MPI_PID" 2> /dev/null) &
+    # Counted, like the walltime, from this script's start (SECONDS), not from mpiexec's.
+    (sleep "$((SIGNAL_AFTER_S > SECONDS ? SIGNAL_AFTER_S - SECONDS : 0))" && kill -USR1 "$MPI_PID" 2> /dev/null) &
     WATCHER=$!
 fi
 STATUS=0

@@ -5,6 +5,11 @@ may reach one rank only, and clocks differ between nodes: each rank reports what
 flags are OR-ed over all ranks (one small gloo all-reduce per step), and every rank takes the
 same decision at the same step.
 
+``training.exit_duration_mins`` counts from the start of the run, not of the training loop: the
+time spent importing, building the model and loading a checkpoint comes out of the same walltime.
+The start is the launcher's (``LAUNCH_START_EPOCH``, which ``launch/polaris.sh`` exports: the
+walltime it read from PBS was measured then), else this process's.
+
 Where training runs off the main thread (Ray Train runs the training function in a thread of its
 worker process), no signal handler can be installed there: the launcher's own handlers (on the
 process's main thread) forward the stop with ``request_stop``, which feeds the same flag.
@@ -12,10 +17,15 @@ process's main thread) forward the stop with ``request_stop``, which feeds the s
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import psutil
 
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.collectives import any_rank
@@ -72,11 +82,33 @@ def request_stop(reason: str) -> bool:
     return True
 
 
+LAUNCH_START = "LAUNCH_START_EPOCH"
+"""Seconds since the epoch at which the launcher started this run (set by launch/polaris.sh)."""
+
+
+def run_started_at(env: Mapping[str, str] | None = None) -> float:
+    """When this run started, seconds since the epoch: the launcher's start when it exported one
+    (it can only be earlier than this process's), else this process's start. A value that is
+    not a time, or lies after this process's start (another node's clock running ahead), gives
+    this process's start."""
+    env = os.environ if env is None else env
+    process = psutil.Process().create_time()
+    try:
+        launched = float(env.get(LAUNCH_START, ""))
+    except ValueError:
+        return process
+    return launched if math.isfinite(launched) and 0 < launched <= process else process
+
+
 class RunControl:
     def __init__(self, cfg: Config, dims: ParallelDims):
         global _listener
         self.cfg, self.dims = cfg, dims
-        self.start = self.last_save = time.monotonic()
+        now = time.monotonic()
+        # Monotonic from here on (a clock step during the run moves no deadline); the time before
+        # this object existed is taken once, from the wall clock.
+        self.start = now - max(0.0, time.time() - run_started_at())
+        self.last_save = now
         self.received: str | None = None
         self.active = bool(cfg.checkpoint.dir) or cfg.training.exit_duration_mins is not None
         if cfg.checkpoint.dir and cfg.checkpoint.save_on_signal:

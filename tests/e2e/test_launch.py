@@ -53,8 +53,113 @@ def test_polaris_dry_run_counts_nodes(tmp_path, hosts, ranks, flavor):
     hostfile = "--hostfile" if flavor == "pals" else "-hostfile"
     assert command.startswith(f"mpiexec -n {ranks} -ppn 4 {hostfile} {nodefile} ")
     assert command.endswith(f"{sys.executable} pretrain.py recipes/gpt2-124m.yaml training.eval_iters=10")
-    assert ("--cpu-bind depth -d 16 --envall" in command) == (flavor == "pals")
+    if flavor == "pals":
+        assert " --cpu-bind list:0-7:8-15:16-23:24-31 --envall " in command
+    else:  # the core lists are Polaris' (Cray PALS): Hydra on a workstation binds nothing
+        assert "--cpu-bind" not in command and "-genvall" in command
     assert f"master {hosts[0]}:29500" in out.stdout
+
+
+# What the placement reads: none of it may come from the environment the tests run in.
+_PLACEMENT_SETTINGS = ("CUDA_VISIBLE_DEVICES", "CPU_BIND", "NCCL_OFI_PLUGIN_DIR", "NCCL_NET",
+                       "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                       "LAUNCH_START_EPOCH")
+
+
+def _polaris_launch(tmp_path, *args: str, **env: str):
+    """launch/polaris.sh for real, with a fake mpiexec that records its arguments and
+    environment (what each rank would start with): (result, mpiexec's argv, its environment)."""
+    seen = tmp_path / "seen"
+    seen.mkdir(exist_ok=True)
+    path = _fake_command(tmp_path, "mpiexec", f'printf "%s\\0" "$@" > {seen}/argv; env -0 > {seen}/env')
+    base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
+    out = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), *args], cwd=REPO,
+                         env={**base, "PATH": path, **env}, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 or not (seen / "argv").exists():
+        return out, None, None
+    argv = (seen / "argv").read_text().split("\0")[:-1]
+    environ = dict(item.split("=", 1) for item in (seen / "env").read_text().split("\0") if "=" in item)
+    for name in ("argv", "env"):
+        (seen / name).unlink()
+    return out, argv, environ
+
+
+def test_polaris_puts_each_rank_on_the_cores_and_gpu_of_one_numa_domain(tmp_path):
+    """Polaris' GPU g is attached to NUMA domain 3-g (8 cores each; hardware threads 32-63 are
+    the hyperthreads of cores 0-31): local rank r runs on the physical cores of domain r and
+    its cuda:r is GPU 3-r. Depth 16 over 64 hardware threads put ranks 2 and 3 on the
+    hyperthreads of ranks 0 and 1, and cuda:r was GPU r, across the node from its cores."""
+    recipe = "recipes/gpt2-124m.yaml"
+    dry, _, _ = _polaris_launch(tmp_path, "--dry-run", recipe, MPI_FLAVOR="pals")
+    assert dry.returncode == 0, dry.stderr
+    assert "placement: --cpu-bind list:0-7:8-15:16-23:24-31 " in dry.stdout
+    assert "GPUs: CUDA_VISIBLE_DEVICES=3,2,1,0: local rank r's cuda:r is GPU 3-r" in dry.stdout
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in dry.stdout
+    before = int(time.time())
+    out, argv, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals", NGPUS_PER_NODE="2")
+    assert out.returncode == 0, out.stderr
+    assert argv[:6] == ["-n", "2", "-ppn", "2", "--cpu-bind", "list:0-7:8-15"]
+    assert environ["CUDA_VISIBLE_DEVICES"] == "3,2,1,0"  # cuda:0 is GPU 3 (domain 0), cuda:1 GPU 2
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    # The trainer's time limit counts from here, the time the walltime left was read.
+    assert before - 1 <= int(environ["LAUNCH_START_EPOCH"]) <= time.time()
+    # The user's settings win.
+    out, argv, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals", CPU_BIND="depth",
+                                         CUDA_VISIBLE_DEVICES="1,0",
+                                         PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:128")
+    assert out.returncode == 0, out.stderr
+    assert argv[:6] == ["-n", "4", "-ppn", "4", "--cpu-bind", "depth"]
+    assert environ["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (the environment's)" in out.stdout
+    # Hydra (a workstation): no Polaris binding, no GPU order.
+    out, argv, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="hydra")
+    assert out.returncode == 0, out.stderr
+    assert "--cpu-bind" not in argv and "CUDA_VISIBLE_DEVICES" not in environ
+    assert "placement: none (Hydra" in out.stdout
+
+
+def test_polaris_uses_the_nccl_ofi_plugin_only_where_its_library_is(tmp_path):
+    """NCCL_NET="AWS Libfabric" without the plugin on the library path stops NCCL at start-up:
+    the plugin's settings are made only where libnccl-net.so is found (NCCL_OFI_PLUGIN_DIR,
+    LD_LIBRARY_PATH, ALCF's install), and the decision is one line."""
+    if Path("/soft/libraries/aws-ofi-nccl").exists():
+        pytest.skip("ALCF's plugin is installed here: it is always found")
+    recipe = "recipes/gpt2-124m.yaml"
+    plugin = tmp_path / "aws-ofi-nccl" / "lib"
+    plugin.mkdir(parents=True)
+    (plugin / "libnccl-net.so").write_bytes(b"")
+    out, _, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals")
+    assert out.returncode == 0, out.stderr
+    assert "NCCL_NET" not in environ and "NCCL_NET_GDR_LEVEL" not in environ
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("NCCL: ")]
+    assert line.startswith("NCCL: no AWS OFI plugin (libnccl-net.so on LD_LIBRARY_PATH, under "
+                           "/soft/libraries/aws-ofi-nccl or in NCCL_OFI_PLUGIN_DIR): NCCL_NET not set")
+    dry, _, _ = _polaris_launch(tmp_path, "--dry-run", recipe, MPI_FLAVOR="pals")
+    assert line in dry.stdout.splitlines()
+    # Named by NCCL_OFI_PLUGIN_DIR: put on the library path.
+    out, _, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals", NCCL_OFI_PLUGIN_DIR=str(plugin),
+                                      LD_LIBRARY_PATH="/opt/other/lib")
+    assert out.returncode == 0, out.stderr
+    assert (f"NCCL: AWS OFI plugin {plugin}/libnccl-net.so (on LD_LIBRARY_PATH), NCCL_NET=AWS Libfabric"
+            in out.stdout.splitlines())
+    assert environ["LD_LIBRARY_PATH"] == f"{plugin}:/opt/other/lib"
+    assert environ["NCCL_NET"] == "AWS Libfabric" and environ["NCCL_NET_GDR_LEVEL"] == "PHB"
+    # Already on the library path (a module's): used as it is.
+    out, _, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals",
+                                      LD_LIBRARY_PATH=f"/opt/other/lib:{plugin}")
+    assert environ["LD_LIBRARY_PATH"] == f"/opt/other/lib:{plugin}" and environ["NCCL_NET"] == "AWS Libfabric"
+    # none: off, even where a module set it (ALCF: the plugin can hang Megatron-DeepSpeed).
+    out, _, environ = _polaris_launch(tmp_path, recipe, MPI_FLAVOR="pals", NCCL_OFI_PLUGIN_DIR="none",
+                                      NCCL_NET="AWS Libfabric", LD_LIBRARY_PATH=str(plugin))
+    assert "NCCL: AWS OFI plugin off (NCCL_OFI_PLUGIN_DIR=none)" in out.stdout and "NCCL_NET" not in environ
+    # A folder without the library: the job stops before mpiexec, in one line.
+    out, argv, _ = _polaris_launch(tmp_path, "--dry-run", recipe, MPI_FLAVOR="pals",
+                                   NCCL_OFI_PLUGIN_DIR=str(tmp_path))
+    assert out.returncode == 2 and argv is None
+    (err,) = out.stderr.strip().splitlines()
+    assert err == (f"error: NCCL_OFI_PLUGIN_DIR={tmp_path} has no libnccl-net.so: name the plugin's lib "
+                   "folder, or none to do without it")
 
 
 @pytest.mark.parametrize("banner, flavor", [("HYDRA build details:", "hydra"),
