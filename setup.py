@@ -17,7 +17,8 @@ setup(
         "deepspeed>=0.16.1",
         "packaging>=23",
         "omegaconf>=2.3",
-        "transformers>=4.45",
+        # Qwen3's classes (import and export) arrived in 4.51.
+        "transformers>=4.51",
         "sentencepiece>=0.2",
         "numpy>=1.24",
         "wandb>=0.17",

@@ -46,6 +46,8 @@ DEEPSPEED_SECTIONS = {
     "data_types": "", "aio": "", "tensorboard": "", "wandb": "", "csv_monitor": "", "comet": "",
     "comms_logger": "", "timers": "", "autotuning": "", "data_efficiency": "", "expert_parallel": "",
     "hybrid_engine": "", "weight_quantization": "",
+    # Read as mappings by the oldest DeepSpeed setup.py admits (0.16).
+    "compression_training": "", "elasticity": "", "nebula": "", "sparse_attention": "",
 }
 
 

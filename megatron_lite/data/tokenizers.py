@@ -266,12 +266,17 @@ def _generic_fast_class(directory: Path):
         settings = json.loads(config.read_text())
     except (OSError, ValueError):
         return None  # AutoTokenizer reports it
-    if not isinstance(settings, dict) or "auto_map" in settings \
-            or settings.get("tokenizer_class") not in GENERIC_FAST:
+    if not isinstance(settings, dict) or "auto_map" in settings:
         return None
-    from transformers import TokenizersBackend
+    import transformers
 
-    return TokenizersBackend
+    # transformers 5's generic class is TokenizersBackend; before it, PreTrainedTokenizerFast,
+    # which those releases save without its "Fast" (AutoTokenizer adds it back).
+    generic = getattr(transformers, "TokenizersBackend", None)
+    names = GENERIC_FAST if generic is not None else (*GENERIC_FAST, "PreTrainedTokenizer")
+    if settings.get("tokenizer_class") not in names:
+        return None
+    return generic or transformers.PreTrainedTokenizerFast
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

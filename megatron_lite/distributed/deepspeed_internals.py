@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # How every op builder builds: torch's function, looked up when the build runs (before_every_op_build).
@@ -47,7 +48,7 @@ RELIED_ON = (
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_numel"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_shape"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_id"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_zero_partition_rank"),
+    ("deepspeed.runtime.zero.partition_parameters", None, "ds_process_group"),
     ("deepspeed.utils.mixed_precision_linkage", None, "_hp_mapping"),
     ("deepspeed.utils.tensor_fragment", "tensor_fragment", "lp_fragment_address"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups"),
@@ -210,7 +211,10 @@ def zero3_padded_numel(param: nn.Parameter) -> int:
 def zero3_range(param: nn.Parameter) -> tuple[int, int]:
     """ZeRO-3: (first element, count) of the flattened parameter held by this rank."""
     size = param.ds_tensor.ds_numel
-    start = size * param.ds_zero_partition_rank if hasattr(param, "ds_zero_partition_rank") else 0
+    # The rank in the parameter's partition group, as DeepSpeed computes it (newer releases also
+    # store it as ds_zero_partition_rank; 0.16 does not, and reading that with a default of 0
+    # put every rank's shard at the start).
+    start = size * dist.get_rank(group=param.ds_process_group)
     return start, max(0, min(size, param.ds_numel - start))
 
 
