@@ -1,5 +1,6 @@
 # make quickstart   install, fetch the sample corpus, build tokenizer + dataset, train, sample
-# make test         install and run the whole test suite (what CI runs)
+# make test         install and run the whole test suite (what CI runs), then its torch- and
+#                   DeepSpeed-facing part on the oldest releases setup.py admits (floor-test)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install quickstart test lint clean
+.PHONY: install quickstart test floor-install floor-test lint clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -38,9 +39,36 @@ $(QS)/works_text_document.idx: $(QS)/tokenizer.model
 quickstart: install $(QS)/works_text_document.idx
 	$(PY) pretrain.py recipes/quickstart.yaml
 
+# The floor: the oldest torch, DeepSpeed, transformers, ... that setup.py admits
+# (tests/floor/requirements.py reads them from setup.py), in an environment of their own.
+# torch's floor exists on PyPI only as the CUDA build: its triton refuses to import without a
+# GPU, and nothing here needs it. DeepSpeed builds from its sdist against that torch.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+
+$(FLOOR_VENV)/.installed: setup.py tests/floor/requirements.py | install
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(PY) tests/floor/requirements.py > $(FLOOR_VENV)/floor.txt
+	$(FLOOR_PY) -m pip install -q wheel setuptools "$$(grep '^numpy==' $(FLOOR_VENV)/floor.txt)"
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/floor.txt torch
+	$(FLOOR_PY) -m pip uninstall -q -y triton
+	$(FLOOR_PY) -m pip install -q --no-build-isolation -c $(FLOOR_VENV)/floor.txt -e . "pytest>=8.2" psutil
+	[ "$(DS_ACCELERATOR)" != cpu ] || $(FLOOR_PY) -c "from megatron_lite.distributed.cpu_extensions import build; build()"
+	touch $@
+
+floor-install: $(FLOOR_VENV)/.installed
+
+# The torch- and DeepSpeed-facing tests (tests/floor/tests.txt: every layout family end to end,
+# the models against transformers, save, resume and resharding) on the floor releases. (The
+# floor DeepSpeed's configuration classes warn on every access under today's pydantic.)
+floor-test: $(FLOOR_VENV)/.installed
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning @tests/floor/tests.txt
+
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 tests
+	$(MAKE) floor-test
 
 clean:
-	rm -rf $(VENV) data runs
+	rm -rf $(VENV) $(FLOOR_VENV) data runs

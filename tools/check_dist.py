@@ -44,6 +44,7 @@ from megatron_lite.distributed.collectives import CollectiveError  # noqa: E402
 from megatron_lite.distributed.parallel_dims import (  # noqa: E402
     AXES,
     GROUP_AXES,
+    HOST_GROUPS,
     ParallelDims,
     TopologyError,
     abandon_distributed,
@@ -98,7 +99,7 @@ def rank_info(env, acc) -> dict:
 
 
 def expected_members(dims: ParallelDims, name: str, rank: int) -> list[int]:
-    if name in ("control", "checkpoint"):
+    if name in HOST_GROUPS:
         return list(range(dims.world_size))
     return next(g for g in dims.group_ranks(GROUP_AXES[name]) if rank in g)
 
@@ -153,7 +154,7 @@ def run_op(op: str, group, device: torch.device, numel: int) -> tuple[torch.Tens
 
 
 def ops_for(name: str) -> list[str]:
-    if name in ("control", "checkpoint"):  # what host control uses
+    if name in HOST_GROUPS:  # what host control uses
         return ["all_reduce", "all_gather"]
     ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
     return [*ops, "send_recv"] if name == "pipeline" else ops
@@ -164,7 +165,7 @@ def check_groups(dims: ParallelDims, acc, numel: int, iters: int, timeout: timed
     for name in sorted(dims.groups):
         group = dims.groups[name]
         size = collectives.group_size(group)
-        host = name in ("control", "checkpoint")
+        host = name in HOST_GROUPS
         device = torch.device("cpu") if host else torch.device(acc.current_device_name())
         for op in ops_for(name):
             if size == 1 and op != "all_reduce":

@@ -123,22 +123,22 @@ def _same_kind(module: str, name: str, message: str) -> BaseException:
 
 
 def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, what: str,
-                         per_node: bool = False, timeout: timedelta | None = None) -> None:
+                         per_node: bool = False, long_wait: bool = False) -> None:
     """Host, control group: ``fn`` on rank 0 (or, with ``per_node``, on local rank 0 of every
-    node: node-local disks) while the others wait, up to ``timeout`` (default: the group's); if
-    it fails, every rank raises."""
+    node: node-local disks) while the others wait, up to the control group's timeout, or with
+    ``long_wait`` the setup group's (``distributed.setup_timeout_minutes``); if it fails,
+    every rank raises."""
     error: BaseException | None = None
     if (dims.local_rank if per_node else dims.rank) == 0:
         try:
             fn()
         except Exception as e:  # re-raised by raise_together, on every rank
             error = e
-    g = dims.group("control")
-    if g is not None and timeout is not None:
+    g = dims.group("setup")
+    if g is not None and long_wait:
         # The waiting ranks may wait longer than a collective should (a large corpus is being
-        # indexed). gloo's monitored barrier takes a timeout of its own on every torch setup.py
-        # admits; ``barrier(timeout=)`` exists only since torch 2.10.
-        _agree(f"waiting for {what}", lambda: dist.monitored_barrier(group=g, timeout=timeout))
+        # indexed): in the group whose timeout is that long.
+        _agree(f"waiting for {what}", lambda: dist.barrier(group=g))
     raise_together(error, dims, what)
 
 

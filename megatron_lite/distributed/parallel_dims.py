@@ -26,6 +26,8 @@ AXES = ("tensor", "ulysses", "data", "pipeline")
 # data × Ulysses, the ranks that average gradients).
 GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
               "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
+HOST_GROUPS = ("control", "checkpoint", "setup")
+"""The gloo groups of host control, each of every rank (``create_control_groups``)."""
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,12 @@ class ParallelDims:
             by_key.setdefault(key, []).append(r)
         return list(by_key.values())
 
-    def create_groups(self, timeout: timedelta) -> None:
+    def create_groups(self, timeout: timedelta, setup_timeout: timedelta | None = None) -> None:
         """Collective: one accelerator group per dimension (and the combinations DeepSpeed asks
         for), created on every rank in the same order as ``dist.new_group`` requires, and the two
         gloo groups of host control (``distributed/collectives.py``). Created for one rank too,
         so that a one-device run takes the same paths as a multi-device one."""
-        self.create_control_groups(timeout)
+        self.create_control_groups(timeout, setup_timeout)
         for name, axes in GROUP_AXES.items():
             for ranks in self.group_ranks(axes):
                 # No backend: the default group's, i.e. the accelerator's (NCCL, HCCL; gloo on CPU).
@@ -150,9 +152,9 @@ class ParallelDims:
                 if self.rank in ends:
                     self.groups["embedding"] = group
 
-    def create_control_groups(self, timeout: timedelta) -> None:
-        """Collective: the two gloo groups of host control, first (once), so that ranks can
-        agree on the rest of the layout before its groups exist."""
+    def create_control_groups(self, timeout: timedelta, setup_timeout: timedelta | None = None) -> None:
+        """Collective: the gloo groups of host control, first (once), so that ranks can agree
+        on the rest of the layout before its groups exist."""
         if "control" in self.groups:
             return
         # Host-side agreement (errors, stop flags, votes, objects) over gloo: it never waits for
@@ -160,6 +162,10 @@ class ParallelDims:
         self.groups["control"] = dist.new_group(timeout=timeout, backend="gloo")
         # A background checkpoint writer's collectives, apart from the training step's.
         self.groups["checkpoint"] = dist.new_group(timeout=timeout, backend="gloo")
+        # Where ranks wait while one builds the dataset: a gloo collective waits for its group's
+        # timeout whatever it is given (torch before 2.10 has no barrier(timeout=), and gloo
+        # ignores a per-call timeout), so the long wait needs a group of its own.
+        self.groups["setup"] = dist.new_group(timeout=setup_timeout or timeout, backend="gloo")
 
     def group(self, name: str):
         """The process group of this rank along ``name``; None only where torch.distributed was
@@ -329,12 +335,13 @@ def init_distributed(cfg: Config, env: LaunchEnv):
 
         deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
                                    auto_mpi_discovery=False, verbose=False, timeout=timeout)
+    setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)
     if node_sized:
-        dims.create_control_groups(timeout)
+        dims.create_control_groups(timeout, setup)
         groups = dims.groups
         dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, agreed_node_size(dims, env))
         dims.groups.update(groups)
-    dims.create_groups(timeout)
+    dims.create_groups(timeout, setup)
     return dims, acc
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +88,15 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
             emit_line(msg)
 
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
-    setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
-                         timeout=setup)
+                         long_wait=True)
     iters = total_iters(cfg, dims.global_batch(cfg))
     samples = (train_samples(cfg, iters, dims.global_batch(cfg)),
                cfg.training.eval_iters * dims.global_batch(cfg))
     # One rank builds (and caches) the sample indices (one per node for node-local caches),
     # then every rank maps them.
     on_one_rank_then_all(lambda: build_data(cfg.data, *samples), dims, "the sample index build",
-                         per_node=not cfg.data.cache_shared, timeout=setup)
+                         per_node=not cfg.data.cache_shared, long_wait=True)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False), dims, "opening the dataset")
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
