@@ -176,6 +176,13 @@ def graph_break(acc, hpu_mode: str):
     return htcore.mark_step
 
 
+def compiles_per_shape(acc) -> bool:
+    """Whether the device builds a graph for each input shape it sees (Gaudi, in lazy mode and
+    under torch.compile alike): there, a loop over growing inputs (sampling token by token)
+    compiles once per length; it must feed one padded shape instead."""
+    return acc.device_name() == "hpu"
+
+
 @dataclass(frozen=True)
 class DeviceKernels:
     """A device's fused kernels, each with the calling convention of the plain-PyTorch reference

@@ -18,6 +18,7 @@ from megatron_lite.distributed.collectives import (
     on_every_rank,
     raise_together,
 )
+from megatron_lite.distributed.device import compiles_per_shape
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.training.build import Components
@@ -90,7 +91,9 @@ class Evaluator:
         try:
             ids = sample(model, prompt, t.sample_tokens, self.cfg.data.seq_length, t.sample_temperature,
                          t.sample_top_k, t.seed, self.parts.device,
-                         agree=lambda error: raise_together(error, self.dims, "the text sample"))
+                         agree=lambda error: raise_together(error, self.dims, "the text sample"),
+                         fixed_shape=compiles_per_shape(self.parts.acc),
+                         after_token=self.parts.steps.graph_break)
         finally:  # a failed sample must not leave the rest of the run without dropout
             model.train(was_training)
         return t.sample_prompt + tok.decode(ids)

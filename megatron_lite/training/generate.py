@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -28,8 +29,14 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Genera
 @torch.no_grad()
 def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: int,
            temperature: float, top_k: int, seed: int, device: torch.device,
-           agree: Callable[[BaseException | None], None] = _raise) -> list[int]:
+           agree: Callable[[BaseException | None], None] = _raise, fixed_shape: bool = False,
+           after_token: Callable[[], None] = lambda: None) -> list[int]:
     """Autoregressive sampling (no KV cache: samples are short and this runs rarely).
+
+    ``fixed_shape``: every forward sees ``max_len`` positions, the tokens so far padded on the
+    right (causal attention never lets a position see the padding after it), for devices that
+    compile a graph per input shape (``device.compiles_per_shape``); ``after_token`` runs after
+    each token (Gaudi's lazy-mode graph cut).
 
     Every rank calls this with the same seed so that sharded (ZeRO-3) and tensor-parallel
     parameters can be gathered. ``agree`` gets each token's error or None and raises on every
@@ -42,7 +49,12 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: in
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
         try:
-            logits = model(tokens[:, -max_len:])[:, -1, :].float().cpu()  # (1, V)
+            window = tokens[:, -max_len:]  # (1, n)
+            last = window.size(1) - 1
+            if fixed_shape:
+                window = F.pad(window, (0, max_len - window.size(1)))  # (1, max_len)
+            logits = model(window)[:, last, :].float().cpu()  # (1, V)
+            after_token()
             nxt, error = pick(logits, temperature, top_k, gen), None
         except Exception as e:  # re-raised by agree, on every rank
             nxt, error = None, e

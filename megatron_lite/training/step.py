@@ -216,4 +216,6 @@ class StepRunner:
         pairs = self._pairs(batches, device)
         for _ in range(self.grad_accum):
             total += self.engine(*next(pairs)).float()
+            # Gaudi's lazy mode: one graph per forward, not one across the whole evaluation.
+            self.graph_break()
         return total / self.grad_accum

@@ -201,3 +201,44 @@ def test_a_bridge_loaded_in_another_mode_is_refused(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
     with pytest.raises(RuntimeError, match="training.hpu_mode=eager needs PT_HPU_LAZY_MODE=0.*export"):
         devmod.select_accelerator("hpu", "eager")
+
+
+def test_sampling_on_a_device_that_compiles_per_shape_feeds_one_shape():
+    """Gaudi compiles a graph per input shape: token-by-token sampling must feed one padded
+    shape (and cut the lazy graph after each token), with the tokens of the unpadded run."""
+    from megatron_lite.training.generate import sample
+
+    cfg = ModelConfig(vocab_size=64, n_layers=2, n_heads=2, d_model=32, ffn_hidden=64, max_seq_len=24,
+                      position="rope", norm="rmsnorm", activation="swiglu", bias=False)
+    model = build_model(cfg, seed=1).eval()
+    shapes: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    cuts = []
+    args = dict(prompt=[3, 5, 7], max_new_tokens=30, max_len=24, temperature=0.0, top_k=0, seed=0,
+                device=torch.device("cpu"))
+    plain = sample(model, **args)
+    assert len(set(shapes)) > 1  # the unpadded run grows its input
+    shapes.clear()
+    padded = sample(model, **args, fixed_shape=True, after_token=lambda: cuts.append(1))
+    assert set(shapes) == {(1, 24)} and len(cuts) == 30
+    assert padded == plain
+    assert devmod.compiles_per_shape(devmod.select_accelerator("cpu")) is False
+
+
+def test_evaluation_cuts_the_lazy_graph_after_every_forward():
+    from megatron_lite.config import load_config
+    from megatron_lite.distributed.parallel_dims import ParallelDims
+    from megatron_lite.training.step import StepRunner
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+
+        def __call__(self, inputs, targets):
+            return inputs.float().mean()
+
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [])
+    dims = ParallelDims(world_size=1, rank=0, local_rank=0, tensor=1, pipeline=1, data=1)
+    cuts = []
+    runner = StepRunner(cfg, dims, Engine(), grad_accum=3, graph_break=lambda: cuts.append(1))
+    runner.eval_loss(iter([torch.ones(2, 9, dtype=torch.long)] * 3), torch.device("cpu"))
+    assert len(cuts) == 3
