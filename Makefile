@@ -53,7 +53,8 @@ $(FLOOR_VENV)/.installed: setup.py tests/floor/requirements.py | install
 	$(FLOOR_PY) -m pip install -q wheel setuptools "$$(grep '^numpy==' $(FLOOR_VENV)/floor.txt)"
 	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/floor.txt torch
 	$(FLOOR_PY) -m pip uninstall -q -y triton
-	$(FLOOR_PY) -m pip install -q --no-build-isolation -c $(FLOOR_VENV)/floor.txt -e . "pytest>=8.2" psutil
+	$(FLOOR_PY) -m pip install -q --no-build-isolation -c $(FLOOR_VENV)/floor.txt -e . "pytest>=8.2" \
+		"pytest-xdist>=3.6" psutil
 	[ "$(DS_ACCELERATOR)" != cpu ] || $(FLOOR_PY) -c "from megatron_lite.distributed.cpu_extensions import build; build()"
 	touch $@
 
@@ -63,11 +64,12 @@ floor-install: $(FLOOR_VENV)/.installed
 # the models against transformers, save, resume and resharding) on the floor releases. (The
 # floor DeepSpeed's configuration classes warn on every access under today's pydantic.)
 floor-test: $(FLOOR_VENV)/.installed
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning @tests/floor/tests.txt
+	$(FLOOR_PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -W ignore::DeprecationWarning \
+		@tests/floor/tests.txt
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 	$(MAKE) floor-test
 
 clean:

@@ -140,3 +140,17 @@ def sp_data(tmp_path_factory) -> Path:
     ):
         subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True)
     return d
+
+
+# `make test` runs the suite on two pytest workers, a file per worker at a time
+# (pytest-xdist's loadfile): the files that take longest go first, so that the short ones fill
+# the end instead of one worker finishing minutes after the other.
+SLOWEST_FIRST = ("tests/e2e/test_ray_train.py", "tests/distributed/", "tests/e2e/", "tests/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = Path(item.fspath).relative_to(REPO).as_posix()
+        return next(i for i, prefix in enumerate(SLOWEST_FIRST) if path.startswith(prefix))
+
+    items.sort(key=rank)

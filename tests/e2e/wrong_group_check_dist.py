@@ -13,8 +13,8 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 create = ParallelDims.create_groups
 
 
-def create_wrong_on_rank_1(self, timeout) -> None:
-    create(self, timeout)
+def create_wrong_on_rank_1(self, *args) -> None:
+    create(self, *args)
     if self.rank == 1:
         self.groups["tensor"], self.groups["data"] = self.groups["data"], self.groups["tensor"]
 
