@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.host_copy import HostCopies
 from megatron_lite.checkpoint.shards import (
     Assembler,
     file_fragments,
@@ -92,6 +93,7 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
         self._pending: tuple[threading.Thread, dict] | None = None
         self._lock = None  # rank 0's open lock file on the directory (store.claim)
+        self.host = HostCopies(acc)  # host buffers kept from save to save
 
     def claim(self) -> None:
         """Collective, before the first load or save: rank 0 locks the directory for this run
@@ -114,9 +116,14 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- save
     def _rank_state(self, step: int, extra: dict | None) -> dict:
+        self.host.begin()
+        try:
+            fragments = local_fragments(self.engine, self.dims, self.host.copy)
+        finally:
+            self.host.end()
         state = {
             "rank": self.dims.rank,
-            "fragments": [f.to_dict() for f in local_fragments(self.engine, self.dims)],
+            "fragments": [f.to_dict() for f in fragments],
             "rng": {"python": random.getstate(), "numpy": _numpy_rng_state(),
                     "torch": torch.get_rng_state(),
                     "device": self.acc.get_rng_state() if self.acc.device_name() != "cpu" else None},
@@ -211,6 +218,10 @@ class Checkpointer:
                           error_text: str | None, group) -> Path:
         root, rank = self.root, self.dims.rank
         try:
+            self.host.wait()  # the copies into the host buffers are complete
+            if snapshot is not None:  # the files hold fp32 whatever the buffers' dtype
+                for fragment in snapshot["fragments"]:
+                    fragment["tensors"] = {k: t.float() for k, t in fragment["tensors"].items()}
             data = store.serialize(snapshot) if snapshot is not None else b""
         except Exception as e:
             data, error_text = b"", f"rank {rank}: {type(e).__name__}: {e}"

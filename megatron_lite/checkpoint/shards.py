@@ -16,7 +16,7 @@ checkpoint loads into any tensor/pipeline/data-parallel size and ZeRO stage.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,43 +120,51 @@ def ensure_optimizer_state(engine) -> None:
     ds.relink_optimizer_state(engine)
 
 
-def local_fragments(engine, dims: ParallelDims) -> list[Fragment]:
-    """This rank's fragments (empty for a replica whose state another rank writes)."""
+def _host_clone(key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().float().cpu().reshape(-1).clone()
+
+
+def local_fragments(engine, dims: ParallelDims,
+                    copy: Callable[[tuple, torch.Tensor], torch.Tensor] = _host_clone) -> list[Fragment]:
+    """This rank's fragments (empty for a replica whose state another rank writes). ``copy``
+    takes each tensor to the host under a key of its own (``HostCopies.copy``: reused buffers,
+    possibly still being filled, in the tensor's dtype; by default a new fp32 clone)."""
     module = engine.module
     ensure_optimizer_state(engine)
     out: list[Fragment] = []
     plain_opt = None
     for p in _owned_parameters(module, dims):
         shape = ds.full_shape(p)
+        name = spec(p).name
+        piece = (name, spec(p).cuts)  # the buffers' key: tiles of one parameter share its name
         if ds.has_hp_mapping(p):  # ZeRO 1/2 and DeepSpeed's bf16 optimizer
             mapping = ds.hp_mapping(p)
             if mapping is None:
                 continue
             start, _ = ds.hp_range(mapping)
-            tensors = {"param": mapping.get_hp_fragment().detach().float().cpu().clone()}
+            tensors = {"param": copy((*piece, "param"), mapping.get_hp_fragment())}
             for key in STATE_KEYS:
-                tensors[key] = mapping.get_hp_fragment(key).detach().float().cpu().clone()
+                tensors[key] = copy((*piece, key), mapping.get_hp_fragment(key))
         elif ds.is_zero3(p):
             from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
             start, numel = ds.zero3_range(p)
             if numel == 0 or dims.replica_rank != 0:  # HSDP: the other copies hold the same
                 continue
-            tensors = {"param": safe_get_local_fp32_param(p)[:numel].detach().float().cpu().clone()}
+            tensors = {"param": copy((*piece, "param"), safe_get_local_fp32_param(p)[:numel])}
             for key in STATE_KEYS:
-                tensors[key] = safe_get_local_optimizer_state(p, key)[:numel].detach().float().cpu().clone()
+                tensors[key] = copy((*piece, key), safe_get_local_optimizer_state(p, key)[:numel])
         else:  # no ZeRO: every data-parallel replica holds everything; the first one writes
             if dims.dp_rank != 0 or dims.sp_rank != 0:
                 continue
             plain_opt = plain_opt or torch_optimizer(engine)
             state = plain_opt.state.get(p, {})
             start = 0
-            tensors = {"param": p.detach().float().cpu().reshape(-1).clone()}
+            tensors = {"param": copy((*piece, "param"), p)}
             for key in STATE_KEYS:
                 value = state.get(key)
-                tensors[key] = (value.detach().float().cpu().reshape(-1).clone() if value is not None
-                                else torch.zeros(p.numel()))
-        out.append(Fragment(spec(p).name, shape, spec(p).cuts, start, tensors))
+                tensors[key] = copy((*piece, key), value) if value is not None else torch.zeros(p.numel())
+        out.append(Fragment(name, shape, spec(p).cuts, start, tensors))
     return out
 
 
