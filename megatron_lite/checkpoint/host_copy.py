@@ -40,18 +40,19 @@ class HostCopies:
         if key in self._taken:  # a second tensor would overwrite the first one's copy
             raise ValueError(f"two tensors of one save were copied under the key {key}")
         self._taken.add(key)
-        src = tensor.detach().reshape(-1)
+        src = tensor.detach()
         buf = self.buffers.get(key)
         if buf is None or buf.numel() != src.numel() or buf.dtype != src.dtype:
             buf = torch.empty(src.numel(), dtype=src.dtype)
             buf = self.acc.pin_memory(buf) if self.acc is not None else buf
             self.buffers[key] = buf
-        if self.stream is None or src.device.type == "cpu":
-            buf.copy_(src)
+        if self.stream is None or src.device.type == "cpu" or not src.is_contiguous():
+            # (A strided view's flat form is a temporary the side stream could outlive: copied
+            # here, at once; the state's tensors are contiguous.)
+            buf.copy_(src.reshape(-1))
         else:
             with self.acc.stream(self.stream):
-                buf.copy_(src, non_blocking=True)
-            src.record_stream(self.stream)  # a temporary (reshape of a strided view) stays alive
+                buf.copy_(src.view(-1), non_blocking=True)
         return buf
 
     def end(self) -> None:
