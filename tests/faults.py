@@ -23,6 +23,9 @@ function right after its module is imported:
   takes SECONDS longer on RANK (every rank without it): a slow filesystem or data loader.
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
+
+Not a fault, by the same mechanism: ``RECORD_RANK_FILE_READS=DIR``: every checkpoint rank file
+a rank opens to load is named in ``DIR/rank{RANK}.txt``, one line each.
 """
 
 from __future__ import annotations
@@ -282,6 +285,20 @@ def _spikes_enospc(tracker) -> None:
     tracker.open = open_on_a_full_disk  # the module's name for the builtin
 
 
+def _record_rank_file_reads(store) -> None:
+    out = Path(os.environ["RECORD_RANK_FILE_READS"]) / f"rank{os.environ.get('RANK', '0')}.txt"
+    load_rank_file = store.load_rank_file
+
+    @functools.wraps(load_rank_file)
+    def recorded(file):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(f"{Path(file).name}\n")
+        return load_rank_file(file)
+
+    store.load_rank_file = recorded
+
+
 FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
     "FAULT_SLOW_DATA": ("megatron_lite.training.run", _slow_data),
@@ -291,6 +308,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.generate", _sample_error),
     "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
+    "RECORD_RANK_FILE_READS": ("megatron_lite.checkpoint.store", _record_rank_file_reads),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),
                                    ("megatron_lite.spikes.tracker", _spikes_enospc)]}

@@ -24,8 +24,11 @@ from megatron_lite.checkpoint.host_copy import HostCopies
 from megatron_lite.checkpoint.shards import (
     Assembler,
     file_fragments,
+    fragment_index,
+    has_fragment_index,
     load_fragments,
     local_fragments,
+    needed_files,
     shape_mismatches,
 )
 from megatron_lite.checkpoint.store import CheckpointError
@@ -219,12 +222,14 @@ class Checkpointer:
         root, rank = self.root, self.dims.rank
         try:
             self.host.wait()  # the copies into the host buffers are complete
+            index = []
             if snapshot is not None:  # the files hold fp32 whatever the buffers' dtype
                 for fragment in snapshot["fragments"]:
                     fragment["tensors"] = {k: t.float() for k, t in fragment["tensors"].items()}
+                index = fragment_index(snapshot["fragments"])
             data = store.serialize(snapshot) if snapshot is not None else b""
         except Exception as e:
-            data, error_text = b"", f"rank {rank}: {type(e).__name__}: {e}"
+            data, error_text, index = b"", f"rank {rank}: {type(e).__name__}: {e}", []
         dims = self.dims
         sizes = all_gather_object((len(data), error_text), dims, "the checkpoint sizes", group)
         failed = [err for _, err in sizes if err]
@@ -241,14 +246,14 @@ class Checkpointer:
         failed = broadcast_object(failed, dims, "the checkpoint space check", group)
         if not failed:
             try:
-                entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data)}
+                entry = {"ok": True, **store.write_rank_bytes(tmp, rank, data), "fragments": index}
             except Exception as e:  # ENOSPC, EIO, ...: reported on every rank below
                 entry = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
             entries = all_gather_object(entry, dims, "the checkpoint write votes", group)
             failed = [e["error"] for e in entries if not e["ok"]]
         if not failed and rank == 0:
             try:
-                files = [{k: e[k] for k in ("name", "bytes", "sha256")} for e in entries]
+                files = [{k: e[k] for k in ("name", "bytes", "sha256", "fragments")} for e in entries]
                 store.commit(root, tmp, self._manifest(step, consumed_samples, files))
             except Exception as e:  # rank 0 alone: reported on every rank by the broadcast below
                 failed = [f"committing: {type(e).__name__}: {e}"]
@@ -483,16 +488,23 @@ class Checkpointer:
         raise_together(error, self.dims, "checking the checkpoint's model")
         states = {}
         error = None
+        same_layout = self._topology() == manifest["topology"]
         try:
+            # Only the files holding what this rank's parameters need (by the manifest's index
+            # of fragments), rank 0's (the trainer's state) and, same layout, its own (its RNG):
+            # not every rank reading every file.
+            always = [store.rank_file(0), *([store.rank_file(self.dims.rank)] if same_layout else [])]
+            wanted = (needed_files(manifest["files"], self.engine.module, always)
+                      if has_fragment_index(manifest["files"]) else None)
             fragments = []
-            for entry in manifest["files"]:
+            for entry in manifest["files"] if wanted is None else wanted:
                 file = store.listed_file(path, entry)
                 states[entry["name"]] = store.load_rank_file(file)
                 try:
                     fragments += file_fragments(states[entry["name"]], file.stat().st_size)
                 except ValueError as e:
                     raise CheckpointError(f"{file}: {e}") from None
-            assembler = Assembler(fragments)
+            assembler = Assembler(fragments, complete=wanted is None)
             # Before anything is assembled: a manifest whose model section does not describe its
             # weights (or strict_model=false) is refused by name, not as a size error midway.
             mismatched = shape_mismatches(
@@ -517,7 +529,6 @@ class Checkpointer:
                                                       manifest["step"], path, resuming=target is None))
         _set_adam_step(engine, trainer["adam_step"])
         engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
-        same_layout = self._topology() == manifest["topology"]
         own = states.get(store.rank_file(self.dims.rank))
         if same_layout and own is not None and own["rng"] is not None:
             rng = own["rng"]

@@ -169,9 +169,12 @@ def local_fragments(engine, dims: ParallelDims,
 
 
 class Assembler:
-    """Full tensors by (plain-model name, key), assembled on demand from all ranks' fragments."""
+    """Full tensors by (plain-model name, key), assembled on demand from all ranks' fragments,
+    or with ``complete=False`` from the fragments a rank needs (``needed_files``): what they do
+    not cover is NaN, and the loader checks its own region (``load_fragments``)."""
 
-    def __init__(self, fragments: Iterable[Fragment]):
+    def __init__(self, fragments: Iterable[Fragment], complete: bool = True):
+        self.complete = complete
         self.by_name: dict[str, list[Fragment]] = {}
         for f in fragments:
             f.check()
@@ -199,13 +202,11 @@ class Assembler:
             flat[f.start:f.start + t.numel()] = t
         shapes = {f.cuts: f.slice_shape for f in frags}
         full = joined((cuts, flat.view(shapes[cuts])) for cuts, flat in pieces.items())
-        if torch.isnan(full).any():
-            raise ValueError(f"the checkpoint's fragments of '{name}' ({key}) do not cover it: "
-                             "files are missing")
+        if self.complete and torch.isnan(full).any():
+            raise ValueError(not_covered(name, key))
         return full
 
-    @staticmethod
-    def _check_extent(name: str, frags: list[Fragment]) -> None:
+    def _check_extent(self, name: str, frags: list[Fragment]) -> None:
         """Before anything is allocated for ``name``: its pieces and the whole are no larger than
         the elements its fragments hold (which their files' real sizes bound), so a recorded
         shape or cut count cannot make the loader allocate more than the checkpoint holds."""
@@ -219,14 +220,101 @@ class Assembler:
                 raise ValueError(f"the checkpoint's fragments of '{name}' disagree on the shape of "
                                  f"piece {list(cuts)}: {sorted(shapes)}")
             piece_numel = math.prod(group[0].slice_shape)
-            if piece_numel > sum(f.numel for f in group):
-                raise ValueError(f"the checkpoint's fragments of '{name}' do not cover it: files "
-                                 "are missing")
+            if self.complete and piece_numel > sum(f.numel for f in group):
+                raise ValueError(not_covered(name))
             pieces += piece_numel
+        # (A partial set is bounded instead by the model's own shapes, which the loader
+        # compares before assembling: shape_mismatches.)
         cuts, shape = next(iter(by_piece)), by_piece[next(iter(by_piece))][0].slice_shape
-        if math.prod(whole_shape(shape, cuts)) > pieces:
-            raise ValueError(f"the checkpoint's fragments of '{name}' do not cover it: files "
-                             "are missing")
+        if self.complete and math.prod(whole_shape(shape, cuts)) > pieces:
+            raise ValueError(not_covered(name))
+
+
+def not_covered(name: str, key: str | None = None) -> str:
+    what = f"'{name}'" + (f" ({key})" if key else "")
+    return f"the checkpoint's fragments of {what} do not cover it: files are missing"
+
+
+# ---------------------------------------------------------------- what a rank reads on resume
+
+IndexEntry = tuple[str, tuple[Cut, ...], tuple[int, ...], int, int]
+"""A fragment as a manifest lists it: (name, cuts, slice_shape, start, numel)."""
+
+
+def fragment_index(fragments: Iterable[dict]) -> list[list]:
+    """The manifest's list of a rank file's fragments (``Fragment.to_dict`` records), so that a
+    resuming rank opens only the files that hold what it needs."""
+    return [[f["name"], [list(c) for c in f["cuts"]], list(f["slice_shape"]), f["start"],
+             f["tensors"]["param"].numel()] for f in fragments]
+
+
+def _box(whole: Sequence[int], cuts: Iterable[Cut]) -> list[tuple[int, int]]:
+    """The index ranges, one per dimension, of the piece ``cuts`` take from a tensor of shape
+    ``whole`` (``torch.chunk``'s pieces)."""
+    region = [(0, n) for n in whole]
+    for dim, index, count in cuts:
+        lo, hi = region[dim]
+        size = -(-(hi - lo) // count)
+        region[dim] = (min(lo + index * size, hi), min(lo + (index + 1) * size, hi))
+    return region
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one of this rank's parameters needs from a checkpoint: elements ``lo``..``hi`` of
+    its flattened piece (the whole piece, or its ZeRO-3 partition)."""
+
+    name: str
+    whole: tuple[int, ...]
+    cuts: tuple[Cut, ...]
+    lo: int
+    hi: int
+
+
+def needs(module: nn.Module) -> list[Need]:
+    out = []
+    for p in module.parameters():
+        where = spec(p)
+        if ds.is_zero3(p):
+            start, numel = ds.zero3_range(p)
+        else:
+            start, numel = 0, p.numel()
+        out.append(Need(where.name, tuple(where.full_shape), tuple(where.cuts), start, start + numel))
+    return out
+
+
+def serves(entry: Sequence, need: Need) -> bool:
+    """Whether a listed fragment (``IndexEntry``) holds elements ``need`` asks for. Where the
+    two layouts cut the tensor differently, pieces that overlap count whole; a tensor recorded
+    with another shape (another vocabulary padding) always counts."""
+    name, cuts, slice_shape, start, numel = entry
+    cuts = tuple(tuple(c) for c in cuts)
+    whole = whole_shape(slice_shape, cuts)
+    if name != need.name:
+        return False
+    if whole != need.whole:
+        return True
+    if cuts == need.cuts:
+        return start < need.hi and need.lo < start + numel
+    mine, theirs = _box(need.whole, need.cuts), _box(whole, cuts)
+    return all(a < d and c < b for (a, b), (c, d) in zip(mine, theirs, strict=True))
+
+
+def has_fragment_index(files: list[dict]) -> bool:
+    """Whether a manifest lists each file's fragments (not one written before the index
+    existed: then every file is read)."""
+    return all(isinstance(f.get("fragments"), list) for f in files)
+
+
+def needed_files(files: list[dict], module: nn.Module, always: Iterable[str]) -> list[dict]:
+    """The manifest entries of the files holding a fragment this rank's parameters need, plus
+    ``always`` (rank 0's trainer state, this rank's own RNG state)."""
+    by_name: dict[str, list[Need]] = {}
+    for need in needs(module):
+        by_name.setdefault(need.name, []).append(need)
+    always = set(always)
+    return [f for f in files if f["name"] in always or any(
+        serves(entry, need) for entry in f["fragments"] for need in by_name.get(entry[0], ()))]
 
 
 def shape_mismatches(expected: Mapping[str, Sequence[int]], assembler: Assembler,
@@ -277,6 +365,12 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
     for p in module.parameters():
         values = {key: _local_slice(p, assembler.full(spec(p).name, key)).reshape(-1)
                   for key in ("param", *STATE_KEYS)}
+        lo, hi = ds.zero3_range(p) if ds.is_zero3(p) else (0, p.numel())
+        if ds.is_zero3(p):
+            hi = lo + hi
+        for key, value in values.items():  # (a partial assembly is NaN outside what was read)
+            if torch.isnan(value[lo:hi]).any():
+                raise ValueError(not_covered(spec(p).name, key))
         if ds.has_hp_mapping(p):
             mapping = ds.hp_mapping(p)
             p.data.copy_(values["param"].view_as(p).to(p.dtype))

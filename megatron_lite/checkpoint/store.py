@@ -203,9 +203,10 @@ def read_manifest(path: Path, required: Iterable[str] = ()) -> dict:
     files = manifest.get("files")
     if not (_is_count(manifest.get("step")) and isinstance(files, list) and all(
             isinstance(f, dict) and isinstance(f.get("name"), str) and _is_count(f.get("bytes"))
-            and isinstance(f.get("sha256"), str) for f in files)):
+            and isinstance(f.get("sha256"), str) and _is_fragment_index(f.get("fragments", []))
+            for f in files)):
         raise CheckpointError(f"{file} is not a checkpoint manifest (no integer 'step', or 'files' "
-                              "is not a list of name/bytes/sha256 entries)")
+                              "is not a list of name/bytes/sha256(/fragments) entries)")
     problem = _section_problem(manifest, required)
     if problem:
         raise CheckpointError(f"{file} is not a valid checkpoint manifest: {problem}; restore it, or "
@@ -213,6 +214,17 @@ def read_manifest(path: Path, required: Iterable[str] = ()) -> dict:
     for entry in files:
         listed_file(path, entry)
     return manifest
+
+
+def _is_fragment_index(value: Any) -> bool:
+    """A file's list of fragments: [name, cuts ([dim, index, count] each), slice shape, start,
+    numel] each (``shards.fragment_index``)."""
+    return isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 5 and isinstance(e[0], str)
+        and isinstance(e[1], list) and all(isinstance(c, list) and len(c) == 3 and all(map(_is_count, c))
+                                           for c in e[1])
+        and isinstance(e[2], list) and all(map(_is_count, e[2])) and _is_count(e[3]) and _is_count(e[4])
+        for e in value)
 
 
 def _is_count(value: Any) -> bool:

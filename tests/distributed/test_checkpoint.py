@@ -155,3 +155,25 @@ def test_a_changed_schedule_on_resume_is_refused_or_followed_as_asked(tmp_path):
         got = _records(tmp_path / mode, 7)
         assert [r["step"] for r in got] == [7, 8]
         torch.testing.assert_close([r["lr"] for r in got], want, rtol=1e-6, atol=0)
+
+
+def test_an_eight_rank_resume_reads_only_the_files_each_rank_needs(tmp_path):
+    """Tensor 2 × data 2 × pipeline 2 under ZeRO-1 (ranks: tensor fastest, then data, then
+    stage). A rank needs its stage's fragments of its tensor slice, split by ZeRO-1 between its
+    file and its data-parallel peer's; the replicated parameters (norms), written by tensor
+    rank 0 of its stage and split the same way; and rank 0's file for the trainer's state.
+    Every rank read all 8 files before (on a parallel filesystem, N² opens and reads)."""
+    layout = ["parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=1", "model.n_layers=2",
+              "model.tie_embeddings=false"]
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=2", *layout), *ck, f"logging.dir={tmp_path}/a"],
+                       nproc=8))
+    reads = tmp_path / "reads"
+    resume = [*_args(tmp_path, "training.iters=3", *layout), *ck, f"logging.dir={tmp_path}/b"]
+    proc = check(run_pretrain(resume, nproc=8, env={"RECORD_RANK_FILE_READS": str(reads)}))
+    assert "resumed from" in proc.stdout
+    for rank in range(8):
+        stage, tp = rank // 4, rank % 2
+        want = {0} | {r for r in range(4 * stage, 4 * stage + 4) if r % 2 in (0, tp)}
+        got = (reads / f"rank{rank}.txt").read_text().split()
+        assert sorted(got) == [f"rank_{r:05d}.pt" for r in sorted(want)], (rank, got)

@@ -645,3 +645,29 @@ def test_an_export_writes_the_recipe_tokenizers_ids_and_never_one_outside_the_vo
     written = json.loads((tmp_path / "hf-recorded/config.json").read_text())
     assert status == 0 and [written.get(k) for k in IDS] == [7, [8], None]
     assert any("pad_token_id=50256 names ids outside the vocabulary of 65; written as null" in e for e in err)
+
+
+def test_a_manifest_lists_each_files_fragments_and_a_bad_list_is_refused(tmp_path):
+    """The index a resuming rank chooses its files by (the 8-rank resume test reads by it):
+    which fragment serves which need, and checked on read like the rest of the manifest (a list
+    that is not fragments is refused, not followed)."""
+    from megatron_lite.checkpoint.shards import Need, fragment_index, serves
+
+    path = _trained_checkpoint(tmp_path / "ck")
+    entries = fragment_index(store.load_rank_file(path / "rank_00000.pt")["fragments"])
+    listed = {e[0] for e in entries}
+    assert "tok_emb.weight" in listed and all(len(e) == 5 for e in entries)
+    emb = next(e for e in entries if e[0] == "tok_emb.weight")
+    rows, cols = emb[2]
+    # The same piece: served by its element range; another layout's slices: by overlap.
+    assert serves(emb, Need("tok_emb.weight", (rows, cols), (), 0, rows * cols))
+    assert not serves(emb, Need("tok_emb.weight", (rows, cols), (), emb[4] + emb[3], emb[4] + emb[3] + 1))
+    assert serves(emb, Need("tok_emb.weight", (rows, cols), ((1, 1, 2),), 0, rows * cols // 2))
+    # The top half of a (64, 32) weight: not the bottom half, but the left half's top.
+    half = ["w", [[0, 0, 2]], [32, 32], 0, 32 * 32]
+    assert not serves(half, Need("w", (64, 32), ((0, 1, 2),), 0, 32 * 32))
+    assert serves(half, Need("w", (64, 32), ((1, 0, 2),), 0, 64 * 16))
+    assert serves(half, Need("w", (66, 32), ((0, 1, 2),), 0, 33 * 32))  # other padding: read
+    _tamper(path, lambda m: m["files"][0].update(fragments=[["tok_emb.weight", "everything"]]))
+    with pytest.raises(CheckpointError, match="not a checkpoint manifest"):
+        store.read_manifest(path)
