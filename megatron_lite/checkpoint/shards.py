@@ -271,16 +271,15 @@ class Need:
     hi: int
 
 
+def _held_range(p: nn.Parameter) -> tuple[int, int]:
+    """The elements of ``p``'s flattened piece this rank holds: its ZeRO-3 partition, or all."""
+    start, numel = ds.zero3_range(p) if ds.is_zero3(p) else (0, p.numel())
+    return start, start + numel
+
+
 def needs(module: nn.Module) -> list[Need]:
-    out = []
-    for p in module.parameters():
-        where = spec(p)
-        if ds.is_zero3(p):
-            start, numel = ds.zero3_range(p)
-        else:
-            start, numel = 0, p.numel()
-        out.append(Need(where.name, tuple(where.full_shape), tuple(where.cuts), start, start + numel))
-    return out
+    return [Need(spec(p).name, tuple(spec(p).full_shape), tuple(spec(p).cuts), *_held_range(p))
+            for p in module.parameters()]
 
 
 def serves(entry: Sequence, need: Need) -> bool:
@@ -365,9 +364,7 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
     for p in module.parameters():
         values = {key: _local_slice(p, assembler.full(spec(p).name, key)).reshape(-1)
                   for key in ("param", *STATE_KEYS)}
-        lo, hi = ds.zero3_range(p) if ds.is_zero3(p) else (0, p.numel())
-        if ds.is_zero3(p):
-            hi = lo + hi
+        lo, hi = _held_range(p)
         for key, value in values.items():  # (a partial assembly is NaN outside what was read)
             if torch.isnan(value[lo:hi]).any():
                 raise ValueError(not_covered(spec(p).name, key))

@@ -27,13 +27,22 @@ import importlib
 import re
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from megatron_lite.distributed.parallel_dims import ParallelDims
+
+class ParallelDims(Protocol):
+    """What these functions read of ``parallel_dims.ParallelDims`` (named here, not imported:
+    parallel_dims creates its groups through this module)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    def group(self, name: str) -> Any: ...
+
 
 T = TypeVar("T")
 
