@@ -24,8 +24,16 @@ function right after its module is imported:
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
 
-Not a fault, by the same mechanism: ``RECORD_RANK_FILE_READS=DIR``: every checkpoint rank file
-a rank opens to load is named in ``DIR/rank{RANK}.txt``, one line each.
+Not faults, by the same mechanism:
+
+- ``RECORD_RANK_FILE_READS=DIR``: every checkpoint rank file a rank opens to load is named in
+  ``DIR/rank{RANK}.txt``, one line each.
+- ``RECORD_STEP_SYNCS=DIR``: ``DIR/rank{RANK}.json`` lists, for each training step (from one
+  ``Trainer.train_step`` call to the next, so a step's log line, evaluation and save count with
+  it), the reads of a tensor's value by the training thread (``item``, ``float``, ``int``,
+  ``bool``, ``tolist``: each a wait for the device on an accelerator), and the host-control
+  collectives (what each agreed on). Reads inside the host collectives and of the step report's
+  host buffer (training/step_report.py) are host memory and are not counted.
 """
 
 from __future__ import annotations
@@ -299,6 +307,59 @@ def _record_rank_file_reads(store) -> None:
     store.load_rank_file = recorded
 
 
+def _record_step_syncs(trainer_module) -> None:
+    import json
+    import threading
+
+    import torch
+
+    from megatron_lite.distributed import collectives
+
+    out = Path(os.environ["RECORD_STEP_SYNCS"]) / f"rank{os.environ.get('RANK', '0')}.json"
+    steps: list[dict] = []
+    training_thread = [None]
+    host_memory = ("collectives.py", "step_report.py")
+
+    def counted(name: str, method):
+        @functools.wraps(method)
+        def read(self, *args, **kwargs):
+            if steps and threading.get_ident() == training_thread[0]:
+                caller = sys._getframe(1)
+                if not caller.f_code.co_filename.endswith(host_memory):
+                    steps[-1]["reads"].append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+            return method(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
+        setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    agree = collectives._agree
+
+    def agree_counted(what, fn):
+        if steps and threading.get_ident() == training_thread[0]:
+            steps[-1]["host_collectives"].append(what)
+        return agree(what, fn)
+
+    collectives._agree = agree_counted
+    trainer = trainer_module.Trainer
+    train, train_step = trainer.train, trainer.train_step
+
+    @functools.wraps(train)
+    def recorded_train(self):
+        training_thread[0] = threading.get_ident()
+        try:
+            return train(self)
+        finally:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(steps))
+
+    @functools.wraps(train_step)
+    def recorded_step(self, batches):
+        steps.append({"step": self.state.step + 1, "reads": [], "host_collectives": []})
+        return train_step(self, batches)
+
+    trainer.train, trainer.train_step = recorded_train, recorded_step
+
+
 FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
     "FAULT_SLOW_DATA": ("megatron_lite.training.run", _slow_data),
@@ -309,6 +370,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.generate", _sample_error),
     "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
     "RECORD_RANK_FILE_READS": ("megatron_lite.checkpoint.store", _record_rank_file_reads),
+    "RECORD_STEP_SYNCS": ("megatron_lite.training.trainer", _record_step_syncs),
 }
 LOG_FAULTS = {"FAULT_LOG_ENOSPC": [("megatron_lite.logging.metrics", _metrics_enospc),
                                    ("megatron_lite.spikes.tracker", _spikes_enospc)]}

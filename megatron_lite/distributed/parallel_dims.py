@@ -23,9 +23,10 @@ class TopologyError(ValueError):
 # then Ulysses sequence ranks, then data-parallel replicas, then pipeline stages.
 AXES = ("tensor", "ulysses", "data", "pipeline")
 # The accelerator groups: name -> the axes along which its ranks differ (DeepSpeed also asks for
-# data × Ulysses, the ranks that average gradients).
+# data × Ulysses, the ranks that average gradients; the step's report reduces over every rank on
+# the device, training/step_report.py: never over the default group, see collectives.py).
 GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
-              "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data")}
+              "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data"), "world": AXES}
 HOST_GROUPS = ("control", "checkpoint", "setup")
 """The gloo groups of host control, each of every rank (``create_control_groups``)."""
 

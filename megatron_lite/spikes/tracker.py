@@ -1,10 +1,11 @@
 """Per-step spike bookkeeping: verdicts, policies, provenance, ``spikes.jsonl`` and the state
 saved in checkpoints.
 
-The trainer takes every step through ``track``; during the step, the step
-runner calls ``judge`` once, at the moment DeepSpeed hands the gradients to the optimizer, with
-the loss reduced over all ranks and the global gradient norm. ``judge``'s answer (apply the
-update or not) is the same on every rank because its inputs are.
+The trainer takes every step through ``track``; where the verdict comes before the update, the
+step runner calls ``judge`` once during the step, at the moment DeepSpeed hands the gradients to
+the optimizer, with the loss reduced over all ranks and the global gradient norm; elsewhere the
+trainer hands the step's report to ``record`` once it has been read, one step later
+(training/step_report.py). The answer is the same on every rank because its inputs are.
 
 ``spikes.jsonl`` holds one JSON object per event and nothing that varies between identical runs
 (no wall time: the same event in ``metrics.jsonl`` has it), so a resumed run's file equals the
@@ -68,6 +69,13 @@ class SpikeTracker:
         self.context, self.pending = ctx, None
         result = take_step()
         return result, self._record_event()
+
+    def record(self, ctx: StepContext, report) -> str:
+        """A step judged after its update from its ``report`` (``step_report.StepReport``): the
+        device skipped a non-finite update; returns the action, as ``track`` does."""
+        self.context, self.pending = ctx, None
+        self.judge(report.loss, report.grad_norm)
+        return self._record_event()
 
     def judge(self, loss: float, grad_norm: float | None, loss_scale_overflow: bool = False) -> bool:
         """Whether this step's update may be applied. Called once per step on every rank."""

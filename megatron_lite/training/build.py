@@ -77,6 +77,6 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
                      f"{acc.get_compile_backend()}")
     engine = build_engine(model, cfg, dims, iters, device_type, kernels.adamw)
     steps = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg),
-                       devmod.graph_break(acc, cfg.training.hpu_mode), kernels.clip_norm)
+                       devmod.graph_break(acc, cfg.training.hpu_mode), kernels.clip_norm, acc)
     return Components(acc, model_cfg, engine, steps, iters,
                       flops_per_token(model_cfg, cfg.data.seq_length), notes)

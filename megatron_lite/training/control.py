@@ -2,8 +2,8 @@
 
 A signal (SIGTERM; SIGUSR1, which PBS sends before walltime with ``-l signal``-style requests)
 may reach one rank only, and clocks differ between nodes: each rank reports what it saw, the
-flags are OR-ed over all ranks (one small gloo all-reduce per step), and every rank takes the
-same decision at the same step.
+flags are OR-ed over all ranks, and every rank takes the same decision at the same step. The
+flags travel with the step's report (training/step_report.py): no collective of their own.
 
 ``training.exit_duration_mins`` counts from the start of the run, not of the training loop: the
 time spent importing, building the model and loading a checkpoint comes out of the same walltime.
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import psutil
 
 from megatron_lite.config.schema import Config
-from megatron_lite.distributed.collectives import any_rank
 from megatron_lite.distributed.parallel_dims import ParallelDims
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -130,15 +129,26 @@ class RunControl:
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def decide(self) -> Decision:
-        """Collective (when active): call on every rank after every step."""
+    N_FLAGS = 3
+
+    def flags(self) -> list[bool]:
+        """This rank's view now (signal received, out of time, save timer due); what the step's
+        report carries to the other ranks. Empty when the run control is off."""
         if not self.active:
-            return Decision(False, None)
+            return []
         ck, t = self.cfg.checkpoint, self.cfg.training
         now = time.monotonic()
         out_of_time = t.exit_duration_mins is not None and now - self.start >= 60 * t.exit_duration_mins
         timer = ck.save_interval_minutes > 0 and now - self.last_save >= 60 * ck.save_interval_minutes
-        got_signal, out_of_time, timer = any_rank([self.received is not None, out_of_time, timer], self.dims)
+        return [self.received is not None, out_of_time, timer]
+
+    def decide(self, agreed: tuple[bool, ...]) -> Decision:
+        """The decision from ``agreed``: this step's ``flags`` OR-ed over all ranks (the step
+        report carries them), the same on every rank."""
+        if not self.active:
+            return Decision(False, None)
+        got_signal, out_of_time, timer = agreed
+        ck, t = self.cfg.checkpoint, self.cfg.training
         stop = None
         if got_signal:
             stop = f"signal {self.received or 'received by another rank'}"

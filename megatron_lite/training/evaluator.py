@@ -31,11 +31,14 @@ class Evaluator:
         self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
         self.logger, self.log = logger, log
 
+    def due(self, step: int, last: bool) -> bool:
+        interval = self.cfg.training.eval_interval
+        return bool(interval and step % interval == 0) or last
+
     def maybe_run(self, step: int, consumed_samples: int, last: bool) -> tuple[float, str | None] | None:
         """Collective: at the interval or the last step, the validation loss (logged, with a
         sample) and the sample's text; None at other steps."""
-        interval = self.cfg.training.eval_interval
-        if not ((interval and step % interval == 0) or last):
+        if not self.due(step, last):
             return None
         start = time.perf_counter()
         val = self.loss()

@@ -25,10 +25,14 @@ class Saves:
         self.last_good: tuple[int, int] | None = None  # (step, consumed samples) of the last save
         self.pending: tuple[int, int] | None = None  # a background save in flight
 
+    def due(self, step: int, last: bool) -> bool:
+        """Whether ``step`` saves whatever the run control asks: the interval, the last step."""
+        interval = self.cfg.checkpoint.save_interval
+        return bool(interval and step % interval == 0) or last
+
     def maybe_save(self, step: int, consumed_samples: int, last: bool, asked: bool = False) -> None:
         """Collective: save at the interval, at the last step, or when ``asked``."""
-        interval = self.cfg.checkpoint.save_interval
-        if (interval and step % interval == 0) or last or asked:
+        if self.due(step, last) or asked:
             self.save(step, consumed_samples)
 
     def save(self, step: int, consumed_samples: int) -> None:

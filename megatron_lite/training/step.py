@@ -7,12 +7,24 @@ parallelism, and clips gradients itself where DeepSpeed would not report the nor
 Update gate (spike tracking): DeepSpeed owns the step from gradient reduction to the update,
 and its ZeRO, bf16 and pipeline paths differ, but all of them end in the torch optimizer's
 ``step`` after the gradients are reduced and their norm is known. ``StepRunner.gate`` wraps that
-one method: on its first call in a step it reduces the loss over all ranks, reads the global
-gradient norm and asks a judge whether to apply the update. Declining leaves the parameters and
-the Adam state untouched while DeepSpeed still zeroes the gradients and advances the LR
-schedule. Where DeepSpeed skips the update itself (a non-finite gradient norm), the judge is
-asked after the step and the LR schedule is advanced here, so a skipped step always advances it.
-This costs one host synchronisation per step, as Megatron's own finite-gradient check does.
+one method; on its first call in a step it takes the step's report (the loss over all ranks, the
+global gradient norm, the run control's flags). It does so in one of two ways:
+
+- **After the update** (the default, where the optimizer can skip an update on the device): the
+  report is built on the device and read by the host one step late (``step_report.py``); a
+  non-finite update is skipped by the device itself, and the judge sees the step when the next
+  one has been queued. No host synchronisation and no host collective in the step.
+- **Before the update** (``spikes.policy=skip_step``, which must decline a finite update, and
+  ``rollback``, which skips the update where no rollback is possible; fp16, whose loss scaler
+  decides on the host anyway; an optimizer without a device-side skip, such as DeepSpeed's CPU
+  Adam under offload or Gaudi's fused AdamW): the loss and the flags are reduced
+  over the control group and read at once, and the judge decides before the update. Declining
+  leaves the parameters and the Adam state untouched while DeepSpeed still zeroes the gradients
+  and advances the LR schedule. This costs one host synchronisation and one host collective per
+  step, as Megatron's own finite-gradient check does.
+
+Where DeepSpeed skips the update itself (a non-finite gradient norm), the report is taken after
+the step and the LR schedule is advanced here, so a skipped step always advances it.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.training.engine import trainer_clips_gradients
+from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
 from megatron_lite.training.timing import NoClock
 
 
@@ -55,10 +68,17 @@ Judge = Callable[[float, "float | None", bool], bool]
 """(mean loss over all ranks, global gradient norm, fp16 loss-scale overflow) -> apply the update?"""
 
 
+def judged_after_update(cfg: Config, opt: torch.optim.Optimizer) -> bool:
+    """Whether the step's report can be read one step late (see the module docstring)."""
+    return cfg.spikes.policy == "log" and cfg.training.precision != "fp16" and skips_on_device(opt)
+
+
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
-                 graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None):
+                 graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None,
+                 acc=None):
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
+        self.acc = acc  # DeepSpeed's accelerator: pinned memory and events for the late report
         self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
         # Where Gaudi's lazy mode runs the graph built so far (device.graph_break); else a no-op.
         self.graph_break = graph_break
@@ -69,49 +89,78 @@ class StepRunner:
         self._params = list(engine.module.parameters())
         self.grad_norm: torch.Tensor | None = None
         self.judge: Judge | None = None
-        self.applied = True  # whether the last step's update was applied
+        self.applied: bool | torch.Tensor = True
+        """Whether the last step's update was applied: a device bool when judged after it."""
+        self.late = False  # the report is read after the update (see the module docstring)
+        self.report: PendingReport | StepReport | None = None
+        """The last step's report: pending (on its way to the host) when judged after the update."""
+        self._flags: Callable[[], list[bool]] = list
+        self._reporter: StepReporter | None = None
         self._armed = False
         self._loss_sum: torch.Tensor | None = None
         # Phase timings of training steps (training/timing.py); the trainer sets a real one.
         self.clock = NoClock()
 
     # ---------------------------------------------------------------- gate
-    def gate(self, judge: Judge) -> None:
-        """Ask ``judge`` before every update (see the module docstring)."""
-        self.judge = judge
+    def gate(self, judge: Judge, flags: Callable[[], list[bool]] = list, n_flags: int = 0) -> None:
+        """Take a report at every update and ask ``judge`` (see the module docstring); ``flags``:
+        this rank's run-control flags (``n_flags`` of them), OR-ed over the ranks in the report."""
+        self.judge, self._flags = judge, flags
         opt = ds.torch_optimizer(self.engine)
+        self.late = judged_after_update(self.cfg, opt)
+        if self.late:
+            device = next(iter(self._params)).device
+            self._reporter = StepReporter(self.dims, self.acc, device, self.grad_accum, n_flags)
         update = opt.step
 
         def gated_step(*args, **kwargs):
             if self._armed:
                 self._armed = False
-                self.applied = judge(self._mean_loss(), self._norm_now(), False)
-            if self.applied:
+                if self.late:
+                    self.report, skip = self._reporter.start(self._local_loss(), self._norm_tensor(),
+                                                             self._flags())
+                    opt.found_inf = skip  # torch's fused Adam skips the whole update where 1
+                    self.applied = skip == 0
+                else:
+                    self.report = self._report_now(self._norm_now())
+                    self.applied = judge(self.report.loss, self.report.grad_norm, False)
+            if self.applied is True or self.late:
                 return update(*args, **kwargs)
             ds.count_declined_update(opt)
             return None
 
         ds.install_update_gate(opt, gated_step)
 
-    def _mean_loss(self) -> float:
-        """Mean micro-batch loss of this step over all ranks holding one (the last pipeline
-        stage under PP); NaN when any rank's is NaN."""
-        engine = self.engine
-        local = self._loss_sum
+    def _local_loss(self) -> torch.Tensor | None:
+        """This rank's summed micro-batch losses of the step (a device scalar), or None on a
+        pipeline stage that holds none."""
         if self.pipelined:
-            local = engine.total_loss / self._pipeline_scale() if engine.is_last_stage() else None
+            engine = self.engine
+            return engine.total_loss / self._pipeline_scale() if engine.is_last_stage() else None
+        return self._loss_sum
+
+    def _report_now(self, norm: float | None) -> StepReport:
+        """Before the update: the loss and the flags over the control group, read at once."""
+        local = self._local_loss()
         # The step's one host synchronisation; the agreement itself is host control.
         mine = [float(local.detach().reshape(())), 1.0] if local is not None else [0.0, 0.0]
-        total, count = collectives.sum_over_ranks(mine, self.dims, "the spike check's loss")
-        return total / count / self.grad_accum
+        flags = self._flags()
+        total, count, *agreed = collectives.sum_over_ranks(mine + [float(f) for f in flags], self.dims,
+                                                           "the step's loss and run-control flags")
+        return StepReport(total / count / self.grad_accum, norm, True, tuple(f > 0 for f in agreed))
+
+    def _norm_tensor(self):
+        """The global gradient norm as DeepSpeed (or our clipping) left it: a device scalar where
+        it stays on the device, a float where DeepSpeed read it already, or None."""
+        return self.grad_norm if self.own_clipping else ds.reported_grad_norm(self.engine)
 
     def _pipeline_scale(self) -> float:
         """The factor the pipeline's training losses carry (``train_scale``, parallel/pipeline.py)."""
         return getattr(self.engine.module, "train_scale", 1.0)
 
     def _norm_now(self) -> float | None:
-        """The global gradient norm DeepSpeed (or our clipping) computed for this step."""
-        norm = self.grad_norm if self.own_clipping else ds.reported_grad_norm(self.engine)
+        """The global gradient norm DeepSpeed (or our clipping) computed for this step, read."""
+        norm = self._norm_tensor()
         if norm is None:
             return None
         norm = float(norm)
@@ -119,13 +168,18 @@ class StepRunner:
         return math.inf if norm < 0 else norm
 
     def _after_step(self) -> None:
-        """The update was not reached (DeepSpeed skipped it): judge now, advance the schedule."""
+        """The update was not reached (DeepSpeed skipped it): report now (judged now, or one
+        step late), advance the schedule."""
         if not self._armed:
             return
         self._armed = False
         overflow = self.cfg.training.precision == "fp16"
         assert self.judge is not None
-        self.judge(self._mean_loss(), math.inf, overflow)  # records the event; nothing was applied
+        if self.late:
+            self.report, _ = self._reporter.start(self._local_loss(), math.inf, self._flags())
+        else:
+            self.report = self._report_now(math.inf)
+            self.judge(self.report.loss, math.inf, overflow)  # records the event; nothing was applied
         self.applied = False
         scheduler = self.engine.lr_scheduler
         if scheduler is not None and not overflow:

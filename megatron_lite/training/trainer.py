@@ -2,7 +2,10 @@
 (``saving.py``) decide their own timing.
 
 No host-device synchronisation inside a step: losses are summed on the device and read only at
-log intervals.
+log intervals, and each step's report (the loss over the ranks, the gradient norm, the run
+control's flags) is read when the next step has been queued (``step_report.py``), or at once
+where the next thing is not a step (a log line, an evaluation, a save, the end). Where the spike
+policy must decide before the update (``step.py``), the report is read inside the step instead.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from megatron_lite.training.evaluator import Evaluator
 from megatron_lite.training.monitor import SlowdownMonitor, StragglerCheck
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.saving import Saves
+from megatron_lite.training.step_report import PendingReport, StepReport
 from megatron_lite.training.timing import IntervalClock, PhaseClock, process_age_s
 
 THROUGHPUT_KEYS = ("tokens_per_sec", "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
@@ -78,8 +82,9 @@ class Trainer:
         self.state = TrainState()
         locate = getattr(data.train, "locate", None)
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
-        self.steps.gate(self.spikes.judge)
         self.control = RunControl(cfg, dims)
+        self.steps.gate(self.spikes.judge, self.control.flags,
+                        RunControl.N_FLAGS if self.control.active else 0)
         self.profiler = StepProfiler(cfg, dims.rank, devmod.device_name(parts.acc), log)
         self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
         self.clock = PhaseClock(parts.acc)
@@ -89,6 +94,8 @@ class Trainer:
         self.stragglers = StragglerCheck(cfg, dims)
         self.peak_memory_gib = 0.0
         self.startup_s: float | None = None
+        self._unread: tuple[StepContext, PendingReport] | None = None
+        """The last step's report, not yet read (judged after the update)."""
         self.saves = (Saves(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
                             self.control.saved) if checkpointer is not None else None)
 
@@ -154,7 +161,7 @@ class Trainer:
         batches = self._train_batches()
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
-        loss_steps = 0  # applied steps (whose losses are averaged) since the last log line
+        loss_steps = torch.zeros((), device=self.device)  # applied steps (their losses are averaged)
         engine.train()
         self.startup_s = process_age_s()
         if self.startup_s is not None:
@@ -168,27 +175,39 @@ class Trainer:
             step_loss, action = self.spikes.track(ctx, functools.partial(self.train_step, batches))
             st.step, st.consumed_samples = st.step + 1, after
             self.profiler.after(st.step)
-            if action == "stop":
-                raise SpikeStop(f"{self.cfg.spikes.max_consecutive_nonfinite} non-finite steps in a row "
-                                f"(spikes.max_consecutive_nonfinite) at step {st.step}; see "
-                                f"{self.spikes.path}")
-            if action == "rollback" and self.rollback():
+            last = st.step == self.total_iters
+            judged = []
+            rolled_back = False
+            for spike_ctx, spike_action, report in self._verdicts(ctx, action, last):
+                judged.append(report)
+                if spike_action == "stop":
+                    raise SpikeStop(f"{self.cfg.spikes.max_consecutive_nonfinite} non-finite steps in a row "
+                                    f"(spikes.max_consecutive_nonfinite) at step {spike_ctx.step}; see "
+                                    f"{self.spikes.path}")
+                if spike_action == "rollback" and self.rollback(spike_ctx):
+                    rolled_back = True
+                    break
+            if rolled_back:
+                if self._unread is not None:  # the step after the spike: rolled back with it
+                    self._unread[1].discard()
+                    self._unread = None
                 batches = self._train_batches()
                 loss_sum.zero_()
-                loss_steps = 0
+                loss_steps.zero_()
                 self.clock.read()
                 self.interval.restart()
                 continue
             self.interval.step_done()
-            if self.steps.applied:
+            applied = self.steps.applied
+            if isinstance(applied, torch.Tensor):  # the device's verdict, read later
+                loss_sum += torch.where(applied, step_loss, torch.zeros_like(step_loss))
+                loss_steps += applied
+            elif applied:
                 loss_sum += step_loss
                 loss_steps += 1
-            last = st.step == self.total_iters
             logs = st.step % t.log_interval == 0 or last
             if logs:
-                mean = loss_sum / (loss_steps * self.grad_accum) if loss_steps else loss_sum + math.nan
-                record = self._train_record(mean, lr)
-                record["skipped_steps"] = self.interval.all.steps - loss_steps
+                record = self._train_record(loss_sum, loss_steps, lr)
                 result.history.append(record)
                 self.logger.log(record)
                 self.log(console_line(record, self.total_iters, self.control.time_left()))
@@ -198,14 +217,14 @@ class Trainer:
                 if self.saves is not None:
                     self.saves.warn_if_old(st.step, st.consumed_samples)
                 loss_sum.zero_()
-                loss_steps = 0
+                loss_steps.zero_()
                 self.interval.restart()  # logging is not step time
             started = time.perf_counter()
             evaluated = self.evaluator.maybe_run(st.step, st.consumed_samples, last)
             self.interval.add("eval", time.perf_counter() - started)
             if evaluated is not None:
                 result.final_val_loss, result.sample_text = evaluated
-            decision = self.control.decide()
+            decision = self.control.decide(self._agreed_flags(judged))
             if self.saves is not None:
                 started = time.perf_counter()
                 self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)
@@ -221,16 +240,53 @@ class Trainer:
         result.steps = st.step
         return result
 
+    def _verdicts(self, ctx: StepContext, action: str, last: bool):
+        """The steps judged now, in order, each (context, action, report): this step where it
+        was judged before its update; else the step before it (its report has landed), then
+        this one if a log line, an evaluation, a save or a stop follows. Lazy: the trainer
+        stops at a rollback or a stop, and the rest stays unread."""
+        if not self.steps.late:
+            yield ctx, action, self.steps.report
+            return
+        previous, self._unread = self._unread, (ctx, self.steps.report)
+        asked = False
+        if previous is not None:
+            judged = self._judge(*previous)
+            asked = any(judged[2].flags)
+            yield judged
+        if asked or self._next_is_not_a_step(ctx.step, last):
+            current, self._unread = self._unread, None
+            yield self._judge(*current)
+
+    def _judge(self, ctx: StepContext, pending: PendingReport) -> tuple[StepContext, str, StepReport]:
+        """A step judged after its update, from its report: (its context, the action, the report)."""
+        report = pending.read()
+        return ctx, self.spikes.record(ctx, report), report
+
+    def _next_is_not_a_step(self, step: int, last: bool) -> bool:
+        """Whether a log line, an evaluation or a save follows step ``step``: its report must be
+        read first (a save holds the spike tracker's state after it; a log line its loss)."""
+        return (step % self.cfg.training.log_interval == 0 or last or self.evaluator.due(step, last)
+                or (self.saves is not None and self.saves.due(step, last)))
+
+    def _agreed_flags(self, reports: list[StepReport]) -> tuple[bool, ...]:
+        """The run control's flags of the reports read after this step, OR-ed (all false where
+        none was read: the next step's read brings them)."""
+        flags = [False] * (self.control.N_FLAGS if self.control.active else 0)
+        for report in reports:
+            flags = [a or b for a, b in zip(flags, report.flags, strict=True)]
+        return tuple(flags)
+
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step; returns the summed micro-batch losses as a device tensor."""
         return self.steps.train_step(batches, self.device)
 
-    def rollback(self) -> bool:
+    def rollback(self, spike: StepContext) -> bool:
         """Collective. Reload the newest checkpoint at least ``spikes.rollback.min_steps_back``
-        steps before the spike and skip the data up to the spike plus ``skip_batches``; False
+        steps before the ``spike`` step and skip the data up to it plus ``skip_batches``; False
         (the step stays skipped) when there is no such checkpoint."""
-        rb, st = self.cfg.spikes.rollback, self.state
-        spike_step = st.step
+        rb = self.cfg.spikes.rollback
+        spike_step = spike.step
         if self.checkpointer is None:
             return False
         self.saves.finish()
@@ -246,7 +302,7 @@ class Trainer:
             self.spikes.record_note("stop", message)
             raise SpikeStop(message)
         target, to_step, position = found
-        window = self.spikes.rollback_window(position, st.consumed_samples)
+        window = self.spikes.rollback_window(position, spike.consumed_after)
         # The data indices were planned for a budget of rollbacks (run.train_samples) assuming
         # saves every save_interval; after failed saves the target can be further back and the
         # window longer. Past the planned samples every rank would fail at a different moment.
@@ -268,15 +324,19 @@ class Trainer:
         self._restore(loaded)
         return True
 
-    def _train_record(self, mean_loss: torch.Tensor, lr: float) -> dict:
-        """The log interval's record. The loss read is the interval's one wait for the device;
-        the phase timings are read after it. Times are this rank's (rank 0's in the logs)."""
-        loss = mean_over_ranks(mean_loss.item(), self.dims, "the logged loss")
+    def _train_record(self, loss_sum: torch.Tensor, loss_steps: torch.Tensor, lr: float) -> dict:
+        """The log interval's record: ``loss_sum`` over ``loss_steps`` applied steps. The loss
+        read is the interval's one wait for the device; the phase timings are read after it.
+        Times are this rank's (rank 0's in the logs)."""
+        summed, applied = torch.stack([loss_sum, loss_steps.to(loss_sum.dtype)]).tolist()
+        mean = summed / (applied * self.grad_accum) if applied else math.nan
+        loss = mean_over_ranks(mean, self.dims, "the logged loss")
         now = time.perf_counter()
         span, timed = self.interval.all, self.interval.timed
         gnorm = self.steps.grad_norm
         record = {"step": self.state.step, "loss": loss, "lr": lr,
                   "grad_norm": float(gnorm) if gnorm is not None else None,
+                  "skipped_steps": self.interval.all.steps - round(applied),
                   "step_time_ms": 1000.0 * span.step_seconds(now) / span.steps}
         for phase, ms in self.clock.read().items():
             record[f"{phase}_ms"] = ms / span.steps

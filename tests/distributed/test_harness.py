@@ -90,8 +90,8 @@ def test_one_process_takes_every_collective_path_of_two(tmp_path):
             assert timeouts[-1] == 3600.0 and set(timeouts[:-1]) == {180.0}, rep["groups"]
             assert {c["role"] for c in rep["calls"]} <= {HOST_ROLE, DEVICE_ROLE}
     sites = {site for _, _, site in paths[2]}
-    for expected in ("training/run.py:_run_on_groups", "training/step.py:_mean_loss",
-                     "training/control.py:decide", "checkpoint/checkpointer.py:_write_and_commit",
+    for expected in ("training/run.py:_run_on_groups", "training/step_report.py:start",
+                     "training/trainer.py:_train_record", "checkpoint/checkpointer.py:_write_and_commit",
                      "checkpoint/checkpointer.py:load", "checkpoint/checkpointer.py:save"):
         assert expected in sites, (expected, sorted(sites))
     assert paths[1] == paths[2], {"only with 2": sorted(paths[2] - paths[1]),
@@ -149,10 +149,10 @@ def test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing():
 
 
 def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
-    """Rank 1 sleeps before its third spike check; rank 0 waits in that collective until
-    distributed.timeout_minutes (15 s), exits naming it, and the launcher stops rank 1."""
+    """Rank 1 sleeps before its third log line's loss average; rank 0 waits in that collective
+    until distributed.timeout_minutes (15 s), exits naming it, and the launcher stops rank 1."""
     timeout_s = 15
-    env = {**cpu_env(), "DIST_HARNESS_STALL": "1:_mean_loss:3:900"}
+    env = {**cpu_env(), "DIST_HARNESS_STALL": "1:_train_record:3:900"}
     cmd = pretrain_command([*_args(tmp_path), "training.iters=20", f"logging.dir={tmp_path}/run",
                             f"distributed.timeout_minutes={timeout_s / 60}"], nproc=2)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -177,7 +177,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
     assert stalled is not None, out[-3000:]
     assert proc.returncode != 0
     assert ended - stalled < timeout_s + 60, f"{ended - stalled:.0f} s\n{out[-3000:]}"
-    assert "error: rank 0: the spike check's loss (a collective on a gloo control group) failed: " \
+    assert "error: rank 0: the logged loss (a collective on a gloo control group) failed: " \
            "Timed out" in out, out[-3000:]
     # No rank is left behind (torchrun starts each in a session of its own: the launcher's
     # process group does not hold them).

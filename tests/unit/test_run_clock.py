@@ -29,8 +29,8 @@ def test_the_clock_starts_at_the_launcher_start(monkeypatch):
     monkeypatch.setattr(psutil, "Process", lambda: _Started(time.time() - 60))
     ctl = _control(10)
     assert ctl.time_left() == pytest.approx(-60, abs=5)
-    assert ctl.decide().stop == "training.exit_duration_mins=10.0 reached"
-    assert _control(15).decide().stop is None
+    assert ctl.decide(tuple(ctl.flags())).stop == "training.exit_duration_mins=10.0 reached"
+    assert _control(15).decide((False, False, False)).stop is None
 
 
 def test_the_clock_starts_at_the_process_start_without_a_launcher(monkeypatch):
@@ -39,7 +39,7 @@ def test_the_clock_starts_at_the_process_start_without_a_launcher(monkeypatch):
     monkeypatch.setattr(psutil, "Process", lambda: _Started(time.time() - 30 * 60))
     ctl = _control(20)
     assert ctl.time_left() == pytest.approx(-10 * 60, abs=5)
-    assert ctl.decide().stop == "training.exit_duration_mins=20.0 reached"
+    assert ctl.decide(tuple(ctl.flags())).stop == "training.exit_duration_mins=20.0 reached"
 
 
 class _Started:
