@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from megatron_lite.config.schema import OptimizerConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float,
+                 shape: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)) -> list[dict]:
+    """``shape``: a parameter's logical shape (a ZeRO-3 partition is a flat piece of a matrix)."""
     decay, no_decay = [], []
     for p in model.parameters():  # a tied weight appears once
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(shape(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
-                    adamw: type | None = None, offloaded: bool = False) -> torch.optim.Optimizer:
+                    adamw: type | None = None, offloaded: bool = False,
+                    shape: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape),
+                    ) -> torch.optim.Optimizer:
     """AdamW; ``adamw``: a device's fused class with torch's arguments (Gaudi's FusedAdamW);
     ``offloaded``: the update runs on the host (ZeRO-Offload), by DeepSpeed's CPU Adam (SIMD,
-    multi-threaded; DeepSpeed refuses another optimizer there)."""
-    groups = param_groups(model, cfg.weight_decay)
+    multi-threaded; DeepSpeed refuses another optimizer there); ``shape``: see
+    ``param_groups``."""
+    groups = param_groups(model, cfg.weight_decay, shape)
     if offloaded:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -10,6 +10,7 @@ size 1 every step leaves the layer as it is.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -135,21 +136,28 @@ def parallelize(model: Transformer, dims: ParallelDims) -> Transformer:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str, seed: int) -> nn.Module:
+def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str, seed: int,
+                partition: Callable[[nn.Parameter], None] | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
     """Replace ``module``'s meta parameters by ones on ``device``, each filled with its slice of
     the plain model's initial value. (``Module.to_empty`` would make a tied weight two
-    parameters and drop the attributes set by ``parallelize``.)"""
+    parameters and drop the attributes set by ``parallelize``.) ``partition``: called on each
+    parameter once it is filled (ZeRO-3's partitioned initialisation keeps only this rank's
+    part, so the rank never holds more than its parts and one whole parameter); ``dtype``: the
+    parameters' type on the device (default: the model's)."""
     done: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for key, old in list(sub.named_parameters(recurse=False)):
             if id(old) not in done:
-                new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device),
+                new = nn.Parameter(torch.empty(old.shape, dtype=dtype or old.dtype, device=device),
                                    requires_grad=old.requires_grad)
                 new.__dict__.update(old.__dict__)  # the ShardSpec and DeepSpeed's marks
                 where = spec(new)
                 # Drawn whole on the host; only this rank's slice goes to the device.
                 new.copy_(where.local(initial_value(cfg, where.name, where.full_shape, seed)))
                 comm.register_gradient_sum(new)
+                if partition is not None:
+                    partition(new)
                 done[id(old)] = new
             setattr(sub, key, done[id(old)])
         for key, buf in list(sub.named_buffers(recurse=False)):

@@ -4,11 +4,14 @@ The order of a build: the plain ``Transformer`` on the meta device (no memory), 
 tagged with its ``ShardSpec`` (its name and shape in the plain model); ``parallelize`` (tensor,
 Megatron-sequence and Ulysses parallelism); ``tile_linears`` (memory-centric tiling); under
 pipeline parallelism ``keep_stage`` (this stage's parts only); then ``materialize`` (this rank's
-slices on the device, each from the plain model's initial value of its name). Every layout
-starts from exactly the single-process weights, and no rank ever holds the whole model.
+slices on the device, each from the plain model's initial value of its name; under ZeRO-3 each
+parameter is partitioned as soon as it is filled). Every layout starts from exactly the
+single-process weights, and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,17 +27,20 @@ from megatron_lite.parallel.tiling import tile_linears
 
 
 def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
-                         partition: str = "parameters", tile_factor: int = 1) -> nn.Module:
+                         partition: str = "parameters", tile_factor: int = 1,
+                         zero_partition: Callable[[nn.Parameter], None] | None = None,
+                         dtype: torch.dtype | None = None) -> nn.Module:
     """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
     ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``);
-    ``tile_factor``: each block linear cut into that many × that many tiles."""
+    ``tile_factor``: each block linear cut into that many × that many tiles;
+    ``zero_partition``, ``dtype``: ZeRO-3's partitioned initialisation (``materialize``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     tag(model)
     parallelize(model, dims)
     tile_linears(model, tile_factor)
     if dims.pipeline == 1:
-        return materialize(model, cfg, device, seed)
+        return materialize(model, cfg, device, seed, zero_partition, dtype)
     first, end, _ = stage_layers(parameter_counts(cfg), dims.pipeline, partition)[dims.pp_rank]
     keep_stage(model, range(first, end), first=dims.pp_rank == 0, last=dims.pp_rank == dims.pipeline - 1)
     return pipeline_module(materialize(model, cfg, device, seed), dims, cfg.tie_embeddings)

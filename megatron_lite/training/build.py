@@ -20,7 +20,7 @@ from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine
+from megatron_lite.training.engine import build_engine, partitioned_init
 from megatron_lite.training.step import StepRunner
 
 
@@ -57,8 +57,10 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
         raise ValueError(problem)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
+    zero_partition, dtype = partitioned_init(cfg, dims)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
-                                 cfg.parallel.pipeline_partition, cfg.parallel.tile_factor)
+                                 cfg.parallel.pipeline_partition, cfg.parallel.tile_factor,
+                                 zero_partition, dtype)
     device_type = acc.device_name()
     notes = []
     kernels = devmod.device_kernels(acc)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from megatron_lite.config.schema import Config
 from megatron_lite.config.validate import deepspeed_block_problems
 from megatron_lite.distributed import deepspeed_internals
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
@@ -121,6 +124,41 @@ def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:
     return problems
 
 
+PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def partitioned_init(cfg: Config, dims: ParallelDims) -> tuple[Callable[[nn.Parameter], None] | None,
+                                                               torch.dtype | None]:
+    """ZeRO-3 (HSDP included): DeepSpeed's partitioned initialisation, applied to each parameter
+    as soon as the build has filled it (``parallel.apply.materialize``), so that a rank holds
+    its ZeRO partition of the model and at most one whole parameter, never its whole part of
+    the model (7B at tensor=1 would take 27 GB of an A100-40GB before sharding). Returns the
+    per-parameter step and the parameters' type (DeepSpeed's engine checks that a model
+    initialised this way already has its precision's type; converting fp32 to bf16 before or
+    after rounds alike). (None, None) elsewhere: ZeRO-1/2 keep whole weights on every rank.
+
+    ``deepspeed.zero.Init(module=...)`` is DeepSpeed's own conversion of built parameters; given
+    one parameter at a time (in a holder module), it partitions each before the next is drawn.
+    It partitions over the group the engine shards over (the data × Ulysses ranks, under HSDP
+    the shard group: ``ModelParallelUnit``)."""
+    if cfg.parallel.deepspeed_zero_stage != 3 or cfg.model.fp8:
+        # float8 swaps the block linears after the build; it needs the whole weights there.
+        return None, None
+    import deepspeed
+
+    mpu = dims.mpu()
+    config = deepspeed_config(cfg, dims)
+    group = mpu.get_sequence_data_parallel_group()
+
+    def partition(param: nn.Parameter) -> None:
+        holder = nn.Module()
+        holder.register_parameter("param", param)
+        deepspeed.zero.Init(module=holder, data_parallel_group=group, config_dict_or_path=config, mpu=mpu,
+                            mem_efficient_linear=False)
+
+    return partition, PARAMETER_DTYPES[cfg.training.precision]
+
+
 def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters: int,
                  device_type: str, adamw: type | None = None):
     """``deepspeed.initialize`` with our AdamW (``adamw``: a device's fused class) and LR
@@ -128,7 +166,9 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     import deepspeed
 
     offloaded = cfg.parallel.offload_optimizer != "none"
-    optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded)
+    # The plain model's shapes: a parameter partitioned at its initialisation (ZeRO-3) is flat.
+    optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded,
+                                lambda p: spec(p).full_shape)
     scheduler = ScheduledLR(optimizer, LRSchedule.of(cfg.optimizer, cfg.schedule, total_iters))
     # The pipeline engine takes its process groups from the PipelineModule's own topology
     # (built in the same rank order as ours); otherwise DeepSpeed gets our groups as its mpu.
