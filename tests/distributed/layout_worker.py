@@ -72,7 +72,36 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
     offloaded = [str(getattr(where.device, "value", where.device)) if where is not None else "none"
                  for where in (engine.zero_offload_optimizer(), engine.zero_offload_param())]
     return {"losses": losses, "grad_norms": norms, "shards": shards,
-            "optimizer": type(torch_optimizer(engine)).__name__, "offload": offloaded}, dims
+            "optimizer": type(torch_optimizer(engine)).__name__, "offload": offloaded,
+            "ran": what_ran(engine, dims)}, dims
+
+
+def what_ran(engine, dims: ParallelDims) -> dict:
+    """What this rank really ran, for the test to hold against the layout it claims: its place
+    and its groups' sizes, the modules the parallelize step swapped in, the blocks it holds,
+    the ZeRO stage DeepSpeed's engine runs and whether it is DeepSpeed's pipeline engine."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from megatron_lite.distributed.collectives import group_size
+    from megatron_lite.model.transformer import Block
+    from megatron_lite.parallel.apply import ScatterSequence
+    from megatron_lite.parallel.tensor_parallel import ColumnParallelLinear, TensorParallelRegion
+    from megatron_lite.parallel.ulysses import UlyssesAttention
+
+    modules = list(engine.module.modules())
+    axes = ("tensor", "ulysses", "data", "pipeline")
+    return {
+        "coordinates": {axis: dims.coordinate(axis) for axis in axes},
+        "group_sizes": {axis: group_size(dims.group(axis)) for axis in axes},
+        "column_parallel": sum(isinstance(m, ColumnParallelLinear) for m in modules),
+        "sequence_parallel_regions": sum(isinstance(m, TensorParallelRegion) and m.sequence_parallel
+                                         for m in modules),
+        "scatters": sum(isinstance(m, ScatterSequence) for m in modules),
+        "ulysses_attention": sum(isinstance(m, UlyssesAttention) for m in modules),
+        "blocks": sum(isinstance(m, Block) for m in modules),
+        "zero_stage": engine.zero_optimization_stage(),
+        "pipeline_stages": engine.num_stages if isinstance(engine, PipelineEngine) else 1,
+    }
 
 
 def main() -> None:

@@ -21,12 +21,13 @@ def _records(run_dir, first_step):
 
 
 # (Data parallelism is resumed with background saves; synchronous saves with one process and
-# with tensor parallelism.)
+# with tensor parallelism.) Dropout draws from the random state every step (under TP=2 the
+# attention's tensor-rank streams too): a resume that did not restore it would differ.
 @pytest.mark.parametrize("nproc, layout", [
     (1, []), (2, ["parallel.tensor=2"]), (2, ["parallel.zero_stage=1", "checkpoint.async_save=true"]),
 ], ids=["one-process", "tp2", "dp2-zero1-async"])
 def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
-    full = _args(tmp_path, "training.iters=6", *layout)
+    full = _args(tmp_path, "training.iters=6", "model.dropout=0.1", *layout)
     check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     # (A background save announces itself when committed: the kill comes after the commit.)
@@ -115,6 +116,48 @@ def test_corrupt_checkpoint_stops_the_run_naming_the_file_and_a_fresh_run_is_ref
     proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", *dp2), *ck,
                                "checkpoint.load_fallback=true", f"logging.dir={tmp_path}/c"], nproc=2))
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+
+
+class _Planted:
+    """Unpickled, it creates ``marker``: what a file planted in a shared checkpoint directory
+    could do with any code instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_planted_file_that_would_run_code_is_refused_on_resume_and_on_conversion(tmp_path):
+    """The rank file is replaced by a pickle that runs code when loaded, and the manifest is
+    updated to match (whoever can write the file can write the manifest): resuming and
+    converting both refuse it through the command line, naming it, and the code never runs."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cpu_env
+
+    ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=2"]
+    check(run_pretrain([*_args(tmp_path, "training.iters=2"), *ck, f"logging.dir={tmp_path}/a"]))
+    step = tmp_path / "ck/step_00000002"
+    planted, marker = step / "rank_00000.pt", tmp_path / "code-ran"
+    torch.save({"fragments": [], "trainer": _Planted(marker)}, planted)
+    manifest = json.loads((step / "manifest.json").read_text())
+    (entry,) = [e for e in manifest["files"] if e["name"] == planted.name]
+    entry["bytes"], entry["sha256"] = planted.stat().st_size, hashlib.sha256(planted.read_bytes()).hexdigest()
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+    proc = run_pretrain([*_args(tmp_path, "training.iters=4"), *ck, f"logging.dir={tmp_path}/b"])
+    assert proc.returncode == 1 and not marker.exists()
+    assert f"{planted} holds objects other than tensors and plain values" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--to", "hf",
+                           str(tmp_path / "ck"), str(tmp_path / "hf")], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and not marker.exists()
+    assert f"{planted} holds objects other than tensors and plain values" in proc.stderr + proc.stdout
 
 
 def test_retention_after_ten_saves(tmp_path):

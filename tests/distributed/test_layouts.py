@@ -82,6 +82,7 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
         offload = ["cpu", "cpu" if "zero3" in layout else "none"]
     ranks = run_worker(tmp_path, nproc, overrides)
     assert_matches(reference, ranks, offload)
+    assert_ran(ranks, nproc, overrides)
     if "tile" in layout:  # the weights really were tiles: a tensor-parallel cut, then two more
         cuts = {name: cuts for name, cuts, _ in next(iter(ranks[0].values()))["shards"]}
         assert len(cuts["blocks.0.mlp.down_proj.weight"]) == 3, cuts
@@ -134,6 +135,35 @@ def assert_matches(reference: dict, ranks: list[dict], offload: list[str] | None
         # The run must have moved the weights, or equality would prove little.
         assert not torch.allclose(expected["blocks.0.attn.q_proj.weight"],
                                   initial(variant, "blocks.0.attn.q_proj.weight"))
+
+
+def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
+    """What each rank recorded that it ran (``layout_worker.what_ran``) is the layout the
+    overrides claim: equal numbers prove little if a dimension silently fell back to one."""
+    given = dict(o.split("=", 1) for o in overrides)
+    size = {axis: int(given.get(f"parallel.{axis}", 1)) for axis in ("tensor", "pipeline", "ulysses")}
+    size["data"] = nproc // (size["tensor"] * size["pipeline"] * size["ulysses"])
+    zero = 3 if given.get("parallel.hsdp") == "true" else int(given.get("parallel.zero_stage", 0))
+    sequence_parallel = given.get("parallel.sequence_parallel") == "true"
+    n_layers = 4  # layout_worker.COMMON
+    for variant in ranks[0]:
+        ran = [rank[variant]["ran"] for rank in ranks]
+        places = {tuple(r["coordinates"][a] for a in ("tensor", "ulysses", "data", "pipeline")) for r in ran}
+        assert len(places) == nproc, (variant, places)  # every rank a distinct place
+        for r in ran:
+            assert r["group_sizes"] == {a: size[a] for a in ("tensor", "ulysses", "data", "pipeline")}, r
+            assert r["zero_stage"] == zero and r["pipeline_stages"] == size["pipeline"], r
+            blocks = r["blocks"]
+            assert (blocks < n_layers) if size["pipeline"] > 1 else (blocks == n_layers), r
+            assert (r["column_parallel"] > 0) == (size["tensor"] > 1), r
+            assert (r["sequence_parallel_regions"] == 2 * blocks) == sequence_parallel, r
+            assert (r["scatters"] > 0) == (sequence_parallel and r["coordinates"]["pipeline"] == 0), r
+            assert r["ulysses_attention"] == (blocks if size["ulysses"] > 1 else 0), r
+        if size["tensor"] > 1:  # the weights are each rank's slices, not whole copies
+            for rank in ranks:
+                tp_rank = rank[variant]["ran"]["coordinates"]["tensor"]
+                queries = [c for name, c, _ in rank[variant]["shards"] if name.endswith("attn.q_proj.weight")]
+                assert queries and all((0, tp_rank, size["tensor"]) in c for c in queries), queries
 
 
 def initial(variant: str, name: str) -> torch.Tensor:

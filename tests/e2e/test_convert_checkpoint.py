@@ -57,6 +57,35 @@ def test_hf_export_matches_our_logits_and_imports_back(tmp_path):
     assert "step_00000000 at step 0" in proc.stdout
 
 
+GPT = ["training.iters=3", "training.micro_batch_size=4", "training.global_batch_size=4",
+       "training.eval_iters=1", "training.sample_tokens=0"]
+
+
+# The 65 characters padded: to 80 rows under TP=2 (model.vocab_multiple 8 × tensor 2), to 128
+# rows (GPT-2's 50257 -> 50304 in small) in one process.
+@pytest.mark.parametrize("family, nproc, extra, rows", [
+    ("llama", 2, [*LLAMA, "parallel.tensor=2", "model.vocab_multiple=8"], 80),
+    ("gpt2", 1, [*GPT, "model.vocab_multiple=64"], 128),
+], ids=["llama-tp2", "gpt2-padded"])
+def test_a_padded_vocabulary_exports_the_tokenizers_rows_only(tmp_path, family, nproc, extra, rows):
+    from transformers import AutoModelForCausalLM
+
+    ck = tmp_path / "ck"
+    check(run_pretrain(["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *extra,
+                        f"checkpoint.dir={ck}"], nproc=nproc))
+    _, cfg, weights = read_model(ck)
+    assert (cfg.vocab_size, cfg.tokenizer_vocab_size) == (rows, 65)
+    _convert("--to", "hf", str(ck), str(tmp_path / "hf"))
+    exported = json.loads((tmp_path / "hf/config.json").read_text())
+    assert (exported["model_type"], exported["vocab_size"]) == (family, 65)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(weights, strict=True)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 65, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens)[..., :65], rtol=0, atol=1e-5)
+
+
 def test_a_hub_model_id_without_network_is_one_line_naming_it(tmp_path):
     # A local directory is the path the test above takes; a Hub id goes through transformers.
     proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--from", "hf",

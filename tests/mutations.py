@@ -1,0 +1,139 @@
+"""Mutation check of the suite's headline claims: each mutation breaks one claim with a one-line
+change, in a copy of the working tree, and runs the tests that guard it; a mutation the tests
+do not kill is a claim the suite does not protect.
+
+    python tests/mutations.py                 # all, a Markdown table on stdout
+    python tests/mutations.py --only resume-rng --keep
+
+Hand-written rather than mutmut and kin: those mutate operators at random over a whole package
+and run the whole suite each time (hours here), while the claims worth guarding are few, named,
+and each has its own few tests. Results: docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    claim: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation("no-parallelize", "every layout really applies tensor, sequence and Ulysses parallelism",
+             "megatron_lite/parallel/build.py", "    parallelize(model, dims)\n", "    pass\n",
+             ("tests/distributed/test_layouts.py::test_layout_matches_single_process[tp2-megatron-sp]",
+              "tests/distributed/test_layouts.py::test_layout_matches_single_process[tp2xpp2]")),
+    Mutation("zero-falls-back-to-0", "the ZeRO stage asked for is the one DeepSpeed runs",
+             "megatron_lite/training/engine.py",
+             '"zero_optimization": {"stage": cfg.parallel.deepspeed_zero_stage}',
+             '"zero_optimization": {"stage": min(cfg.parallel.deepspeed_zero_stage, 1)}',
+             ("tests/distributed/test_layouts.py::test_layout_matches_single_process[dp2-zero2]",)),
+    Mutation("resume-rng", "a resume restores the random state (dropout) bit for bit",
+             "megatron_lite/checkpoint/checkpointer.py",
+             'if same_layout and own is not None and own["rng"] is not None:', "if False:",
+             ("tests/distributed/test_checkpoint.py::test_resume_after_kill_is_bitwise_exact[one-process]",)),
+    Mutation("unpickle-anything", "a checkpoint file never runs code when loaded",
+             "megatron_lite/checkpoint/store.py", "weights_only=True, mmap=True",
+             "weights_only=False, mmap=True",
+             ("tests/distributed/test_checkpoint.py::"
+              "test_a_planted_file_that_would_run_code_is_refused_on_resume_and_on_conversion",)),
+    Mutation("export-padding", "an export holds the tokenizer's rows only (the padding is ours)",
+             "megatron_lite/model/hf_convert.py", "    if used < cfg.vocab_size:  # the padding rows",
+             "    if False:  # the padding rows",
+             ("tests/e2e/test_convert_checkpoint.py::test_a_padded_vocabulary_exports_the_tokenizers_rows_only",)),
+    Mutation("no-device-skip", "a non-finite update is never applied when judged after it",
+             "megatron_lite/training/step.py", "opt.found_inf = skip", "pass",
+             ("tests/distributed/test_step_syncs.py::"
+              "test_a_nonfinite_step_skipped_by_the_device_equals_one_declined_by_the_host",)),
+    Mutation("no-partitioned-init", "a ZeRO-3 rank never builds its whole part of the model",
+             "megatron_lite/training/engine.py",
+             "if cfg.parallel.deepspeed_zero_stage != 3 or cfg.model.fp8:", "if True:",
+             ("tests/distributed/test_partitioned_init.py::"
+              "test_a_zero3_rank_never_holds_more_than_its_share_and_one_parameter",)),
+]
+
+
+def copy_tree(dest: Path) -> Path:
+    """The working tree's files (tracked and untracked, not ignored) under ``dest/NAME``, with
+    ``dest/shared`` pointing at the test corpus the suite reads from ``../shared``."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    root = dest / REPO.name
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / name)
+    shared = REPO.parent / "shared"
+    if shared.exists():
+        (dest / "shared").symlink_to(shared.resolve())
+    return root
+
+
+def run(mutation: Mutation, root: Path, timeout: int) -> tuple[str, float]:
+    target = root / mutation.file
+    text = target.read_text()
+    if text.count(mutation.old) != 1:
+        return "stale (the line to change is not there once: update the mutation)", 0.0
+    target.write_text(text.replace(mutation.old, mutation.new))
+    started = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               *mutation.tests], cwd=root, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        verdict = "killed" if proc.returncode == 1 else ("survived" if proc.returncode == 0
+                                                         else f"error (pytest exit {proc.returncode})")
+    except subprocess.TimeoutExpired:
+        verdict = f"killed by the {timeout} s timeout"
+    finally:
+        target.write_text(text)
+    return verdict, time.monotonic() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", help="a mutation's name (repeatable); default: all")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's tests")
+    parser.add_argument("--keep", action="store_true", help="keep the copy of the tree (its path is printed)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutation(s) {sorted(unknown)}; choose from {[m.name for m in MUTATIONS]}")
+    dest = Path(tempfile.mkdtemp(prefix="mutations-"))
+    try:
+        root = copy_tree(dest)
+        print("| mutation | claim | tests | result |\n|---|---|---|---|")
+        survived = 0
+        for m in chosen:
+            verdict, seconds = run(m, root, args.timeout)
+            survived += verdict != "killed" and not verdict.startswith("killed")
+            tests = "<br>".join(t.split("::", 1)[1] for t in m.tests)
+            print(f"| `{m.name}` | {m.claim} | {tests} | {verdict} ({seconds:.0f} s) |", flush=True)
+    finally:
+        if args.keep:
+            print(f"\nthe copy: {dest}")
+        else:
+            shutil.rmtree(dest, ignore_errors=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
