@@ -145,6 +145,7 @@ def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
     size["data"] = nproc // (size["tensor"] * size["pipeline"] * size["ulysses"])
     zero = 3 if given.get("parallel.hsdp") == "true" else int(given.get("parallel.zero_stage", 0))
     sequence_parallel = given.get("parallel.sequence_parallel") == "true"
+    tiled = given.get("parallel.tile_factor", "1") != "1"  # tiles replace the parallel linears
     n_layers = 4  # layout_worker.COMMON
     for variant in ranks[0]:
         ran = [rank[variant]["ran"] for rank in ranks]
@@ -155,9 +156,10 @@ def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
             assert r["zero_stage"] == zero and r["pipeline_stages"] == size["pipeline"], r
             blocks = r["blocks"]
             assert (blocks < n_layers) if size["pipeline"] > 1 else (blocks == n_layers), r
-            assert (r["column_parallel"] > 0) == (size["tensor"] > 1), r
+            assert tiled or (r["column_parallel"] > 0) == (size["tensor"] > 1), r
             assert (r["sequence_parallel_regions"] == 2 * blocks) == sequence_parallel, r
-            assert (r["scatters"] > 0) == (sequence_parallel and r["coordinates"]["pipeline"] == 0), r
+            if r["coordinates"]["pipeline"] == 0:  # the stage that embeds scatters the sequence
+                assert (r["scatters"] > 0) == sequence_parallel, r
             assert r["ulysses_attention"] == (blocks if size["ulysses"] > 1 else 0), r
         if size["tensor"] > 1:  # the weights are each rank's slices, not whole copies
             for rank in ranks:

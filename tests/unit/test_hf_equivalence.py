@@ -93,6 +93,31 @@ def test_round_trip_to_transformers(make_hf):
         torch.testing.assert_close(rebuilt(tokens).logits, hf(tokens).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("make_hf", MODELS, ids=IDS)
+def test_a_padded_vocabulary_is_exported_as_the_tokenizers_rows(make_hf):
+    """Our model with its vocabulary padded (as a run pads it: rows past the tokenizer's are
+    ours alone) exports the tokenizer's rows only, and transformers then computes our logits on
+    them (Megatron's GPT-2: 50257 ids in 50304 rows)."""
+    hf = _perturbed(make_hf())
+    cfg, sd = from_hf(hf)
+    used, rows = cfg.vocab_size, cfg.vocab_size + 13
+    padded = dataclasses.replace(cfg, vocab_size=rows, tokenizer_vocab_size=used)
+    ours = build_model(padded).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            value = sd[name]
+            if p.shape[0] == rows and value.shape[0] == used:  # a vocabulary parameter: padding rows
+                value = torch.cat([value, 0.3 * torch.randn(rows - used, *value.shape[1:])])
+            p.copy_(value)
+    hf_cfg, hf_sd = to_hf(dict(ours.state_dict()), padded)
+    assert hf_cfg.vocab_size == used
+    rebuilt = type(hf)(hf_cfg).eval()
+    rebuilt.load_state_dict(hf_sd, strict=True)
+    tokens = torch.randint(0, used, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(tokens).logits, ours(tokens)[..., :used], rtol=0, atol=1e-5)
+
+
 # Bookkeeping and training-time dropout: not what the model computes at inference (and
 # transformers' private fields, which its releases before 5 put in to_dict).
 NOT_ARCHITECTURE = {"transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
