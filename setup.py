@@ -34,7 +34,7 @@ setup(
     extras_require={"report": ["matplotlib>=3.7", "plotext>=5.2,<6"],
                     "ray": RAY,
                     "fp8": FP8,
-                    "test": ["pytest>=8.2", "pytest-xdist>=3.6", "ruff>=0.6", "pyarrow>=14",
-                             "matplotlib>=3.7", "plotext>=5.2,<6", "mpich>=4; sys_platform == 'linux'",
-                             *RAY, *FP8]},
+                    "test": ["pytest>=8.2", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "ruff>=0.6",
+                             "pyarrow>=14", "matplotlib>=3.7", "plotext>=5.2,<6",
+                             "mpich>=4; sys_platform == 'linux'", *RAY, *FP8]},
 )

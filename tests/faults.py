@@ -23,6 +23,9 @@ function right after its module is imported:
   takes SECONDS longer on RANK (every rank without it): a slow filesystem or data loader.
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
+- ``FAULT_DISK_SIZE=BYTES:DIR``: DIR behaves as a filesystem of BYTES: the free space the
+  checkpointer asks for is BYTES less what DIR holds, and writing a rank file that would not fit
+  fails with ENOSPC (the disk-full tests where no size-limited filesystem can be mounted).
 
 Not faults, by the same mechanism:
 
@@ -227,6 +230,38 @@ def _save_enospc(store) -> None:
     store.write_rank_bytes = write_unless_full
 
 
+def _disk_size(store) -> None:
+    import shutil
+
+    size, _, root = os.environ["FAULT_DISK_SIZE"].partition(":")
+    size, root = int(size), Path(root).resolve()
+
+    def used() -> int:
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+
+    def inside(path) -> bool:
+        return Path(path).resolve().is_relative_to(root)
+
+    disk_usage = shutil.disk_usage
+
+    def small_disk_usage(path):
+        if not inside(path):
+            return disk_usage(path)
+        taken = used()
+        return disk_usage(path)._replace(total=size, used=taken, free=max(size - taken, 0))
+
+    shutil.disk_usage = small_disk_usage
+    write_rank_bytes = store.write_rank_bytes
+
+    @functools.wraps(write_rank_bytes)
+    def write_if_it_fits(directory, rank, data):
+        if inside(directory) and used() + len(data) > size:
+            _no_space()
+        return write_rank_bytes(directory, rank, data)
+
+    store.write_rank_bytes = write_if_it_fits
+
+
 def _kill_tokenizer_on(preprocess) -> None:
     wanted = os.environ["FAULT_KILL_TOKENIZER_ON"].encode()
     encode_batch = preprocess.encode_batch
@@ -367,6 +402,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
+    "FAULT_DISK_SIZE": ("megatron_lite.checkpoint.store", _disk_size),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.generate", _sample_error),
     "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
     "RECORD_RANK_FILE_READS": ("megatron_lite.checkpoint.store", _record_rank_file_reads),

@@ -73,8 +73,14 @@ def test_checkpoint_loads_into_another_layout(tmp_path, save, resume):
     ours = _gathered_state(tmp_path / "ck/step_00000006")
     theirs = _gathered_state(tmp_path / "ck-full/step_00000006")
     assert ours.keys() == theirs.keys()
-    for name, value in theirs.items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=str(name))
+    # Each kind of state at its own scale: Adam's second moments are ~1e-9 here, where the
+    # weights' absolute tolerance would accept anything. (Per kind, not per tensor: a key
+    # projection's bias gets no gradient, so its values are rounding noise of any size.)
+    scale = {key: max(v.abs().max().item() for (_, k), v in theirs.items() if k == key)
+             for key in {k for _, k in theirs}}
+    for (name, key), value in theirs.items():
+        atol = 1e-6 if key == "param" else 1e-6 * scale[key]
+        torch.testing.assert_close(ours[name, key], value, rtol=1e-4, atol=atol, msg=f"{name} {key}")
 
 
 def _gathered_state(path):

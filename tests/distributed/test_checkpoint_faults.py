@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -61,46 +60,62 @@ def test_time_limit_saves_and_exits_zero(tmp_path):
     assert any(r.get("event") == "stop" for r in read_metrics(tmp_path / "run"))
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 14 MiB filesystem (tmpfs): room for one checkpoint of the test model (~9.8 MB)."""
+SMALL_FS = 14 * 2**20
+"""Room for one checkpoint of the test model (~9.8 MB), not two."""
+
+
+@pytest.fixture(params=["tmpfs", "emulated"])
+def small_fs(request, tmp_path):
+    """(directory, environment) of a 14 MiB filesystem: a real tmpfs where this user may mount
+    one (root), and in every case the tests' emulation of one (``FAULT_DISK_SIZE``: the free
+    space reported and the rank-file writes that fail with ENOSPC), so a non-root run tests the
+    same paths."""
     mount = tmp_path / "small"
     mount.mkdir()
+    if request.param == "emulated":
+        yield mount, {"FAULT_DISK_SIZE": f"{SMALL_FS}:{mount}"}
+        return
     if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+        pytest.skip("mounting a size-limited tmpfs needs root (the emulated filesystem runs instead)")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS // 2**20}m", "tmpfs", str(mount)],
+                          capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()} (the emulated one runs instead)")
+    yield mount, {}
+    subprocess.run(["umount", "-l", str(mount)], check=False, timeout=60)
 
 
 def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, small_fs):
-    ck = [f"checkpoint.dir={small_fs}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
-    start = time.monotonic()
+    small, env = small_fs
+    ck = [f"checkpoint.dir={small}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
     proc = run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
-                         f"logging.dir={tmp_path}/run"], nproc=2, timeout=300)
-    assert time.monotonic() - start < 200  # nothing hangs
+                         f"logging.dir={tmp_path}/run"], nproc=2, timeout=300, env=env)
     assert proc.returncode != 0
-    assert f"not enough free space in {small_fs}/ck" in proc.stderr and "MiB are free" in proc.stderr
+    assert f"not enough free space in {small}/ck" in proc.stderr and "MiB are free" in proc.stderr
     assert "on_save_failure=stop" in proc.stderr
-    assert (small_fs / "ck/latest").read_text().strip() == "step_00000002"
-    assert sorted(p.name for p in (small_fs / "ck").iterdir()) == [".lock", "latest", "step_00000002"]
+    assert (small / "ck/latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in (small / "ck").iterdir()) == [".lock", "latest", "step_00000002"]
     events = [r for r in read_metrics(tmp_path / "run") if r.get("event") == "checkpoint_save_failed"]
     assert len(events) == 1 and events[0]["step"] == 4
+    # What is left is a checkpoint that loads: the run resumes from it (its own saves fail
+    # again, and it trains on).
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=4", "parallel.zero_stage=1"), *ck,
+                               "checkpoint.on_save_failure=continue", f"logging.dir={tmp_path}/again"],
+                              nproc=2, timeout=300, env=env))
+    assert "step_00000002 at step 2" in proc.stdout
 
 
 def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_trains_on(tmp_path, small_fs):
     # Without the free-space estimate the write itself runs into ENOSPC.
-    ck = [f"checkpoint.dir={small_fs}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0",
+    small, env = small_fs
+    ck = [f"checkpoint.dir={small}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0",
           "checkpoint.check_free_space=false", "checkpoint.on_save_failure=continue"]
     proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
-                               f"logging.dir={tmp_path}/run"], nproc=2, timeout=300))
+                               f"logging.dir={tmp_path}/run"], nproc=2, timeout=300, env=env))
     assert "No space left on device" in proc.stdout
     assert "warning: the last good checkpoint (step 2) is" in proc.stdout
-    assert (small_fs / "ck/latest").read_text().strip() == "step_00000002"
-    assert not list((small_fs / "ck").glob(".tmp-*"))  # the partial save was removed
+    assert (small / "ck/latest").read_text().strip() == "step_00000002"
+    assert not list((small / "ck").glob(".tmp-*"))  # the partial save was removed
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
 
