@@ -138,7 +138,8 @@ def sp_data(tmp_path_factory) -> Path:
         ["tools/preprocess_data.py", "--input", str(WORKS_JSONL), "--output-prefix", f"{d}/works",
          "--tokenizer-type", "sentencepiece", "--tokenizer-model", f"{d}/sp.model", "--append-eod"],
     ):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True)
+        subprocess.run([sys.executable, *cmd], cwd=REPO, env=cpu_env(), check=True, capture_output=True,
+                       timeout=600)
     return d
 
 

@@ -111,7 +111,7 @@ def _check_report(run_dir, event):
     were injected when served) and the plot."""
     out = subprocess.run([sys.executable, str(REPO / "tools/spike_report.py"), str(run_dir), "--text",
                           "--samples", "8", "--chars", "1000", "--plot", str(run_dir / "loss.png")],
-                         env=cpu_env(), capture_output=True, text=True, check=True).stdout
+                         env=cpu_env(), capture_output=True, text=True, check=True, timeout=600).stdout
     (row,) = [line for line in out.splitlines() if line.split()[:3] == ["0", "41", "spike"]]
     assert "skip" in row and "320..327" in row
     corpus = TINY_SHAKESPEARE.read_text()  # one document, one character per token

@@ -21,7 +21,7 @@ LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu",
 
 def _convert(*args):
     return check(subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *args],
-                                cwd=REPO, env=cpu_env(), capture_output=True, text=True))
+                                cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600))
 
 
 def test_hf_export_matches_our_logits_and_imports_back(tmp_path):

@@ -10,7 +10,7 @@ from tests.conftest import REPO, cpu_env
 
 def _inspect(*args):
     return subprocess.run([sys.executable, str(REPO / "tools/inspect_data.py"), *map(str, args)],
-                          env=cpu_env(), capture_output=True, text=True)
+                          env=cpu_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_stats_doc_and_lint(tmp_path):

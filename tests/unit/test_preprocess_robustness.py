@@ -77,7 +77,7 @@ def test_strict_cli_exit_code(tmp_path, chars):
     proc = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(src),
                            "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "char",
                            "--tokenizer-model", chars, "--strict"], env=cpu_env(), capture_output=True,
-                          text=True)
+                          text=True, timeout=600)
     assert proc.returncode != 0 and f"{src}:2" in proc.stderr
 
 

@@ -18,7 +18,7 @@ def sp_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "sp"
     subprocess.run([sys.executable, str(REPO / "tools/train_tokenizer.py"), "--input", str(WORKS_JSONL),
                     "--vocab-size", "512", "--output", str(out)], check=True, env=cpu_env(),
-                   capture_output=True)
+                   capture_output=True, timeout=600)
     return f"{out}.model"
 
 
@@ -95,13 +95,15 @@ def test_preprocess_cli_uses_megatron_naming(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(tmp_path / "a.txt"),
          "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "char",
-         "--tokenizer-model", str(tmp_path / "c.json")], env=cpu_env(), capture_output=True, text=True)
+         "--tokenizer-model", str(tmp_path / "c.json")],
+        env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert IndexedDataset(tmp_path / "out_text_document")[0].size == len(TEXTS[0])
     bad = subprocess.run(
         [sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(tmp_path / "a.txt"),
          "--output-prefix", str(tmp_path / "o2"), "--tokenizer-type", "char", "--append-eod",
-         "--tokenizer-model", str(tmp_path / "c.json")], env=cpu_env(), capture_output=True, text=True)
+         "--tokenizer-model", str(tmp_path / "c.json")],
+        env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "end-of-document" in bad.stderr
 
 
@@ -131,7 +133,7 @@ def test_megatron_tokenizer_names_write_megatron_ids(tmp_path, sp_model):
         proc = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--input", str(src),
                                "--output-prefix", str(tmp_path / name), "--tokenizer-type", name,
                                "--tokenizer-model", sp_model, "--append-eod"],
-                              env=cpu_env(), capture_output=True, text=True)
+                              env=cpu_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr
         ds = IndexedDataset(tmp_path / f"{name}_text_document")
         assert [ds[i].tolist() for i in range(len(ds))] == expected, name
