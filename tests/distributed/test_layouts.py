@@ -35,13 +35,13 @@ LAYOUTS = {
     # tests/distributed/test_pretrain_layouts.py).
     "tp2xdp2-zero3-tile2": (4, ["parallel.tensor=2", "parallel.zero_stage=3", "parallel.tile_factor=2"]),
     # 4D: Ulysses within each tensor rank's heads, and across pipeline stages; on 8 ranks all
-    # four kinds of model parallelism at once (Megatron sequence parallelism included).
+    # four kinds of model parallelism at once (Megatron sequence parallelism included). (One
+    # 8-rank layout: each costs a minute of the suite on 2 cores.)
     "tp2xulysses2": (4, ["parallel.tensor=2", "parallel.ulysses=2"]),
     "pp2xulysses2-zero1": (4, ["parallel.pipeline=2", "parallel.ulysses=2", "parallel.zero_stage=1",
                                "parallel.pipeline_partition=type:Block"]),
     "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                  "parallel.pipeline=2", "parallel.ulysses=2"]),
-    "hsdp-2x4": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=4", "training.micro_batch_size=1"]),
 }
 
 
