@@ -44,6 +44,7 @@ RELIED_ON = (
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_global_grad_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "grad_partitions_flat_buffer"),
+    ("deepspeed.runtime.zero.partition_parameters", "Init", "_convert_to_zero_parameters"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_tensor"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_numel"),
     ("deepspeed.runtime.zero.partition_parameters", None, "ds_shape"),
@@ -134,6 +135,14 @@ def count_declined_update(opt: torch.optim.Optimizer) -> None:
     """A declined update still counts as the step for torch's LR scheduler, which otherwise
     warns that the scheduler stepped before the optimizer (``_opt_called``)."""
     opt._opt_called = True
+
+
+def partition_one(init, param: nn.Parameter) -> None:
+    """ZeRO-3: partition one filled parameter with ``init`` (a ``deepspeed.zero.Init``, made once
+    for the whole build). Its public form, ``zero.Init(module=...)``, converts a whole module per
+    call and makes its groups and NVMe swapper again each time: ZeRO++'s hpZ group refuses the
+    second creation, and each swapper pins its own host buffers (about 1 GB by default)."""
+    init._convert_to_zero_parameters([param])
 
 
 def drop_gradients_from_a_list(engine) -> None:

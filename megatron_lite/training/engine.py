@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -137,26 +138,21 @@ def partitioned_init(cfg: Config, dims: ParallelDims) -> tuple[Callable[[nn.Para
     initialised this way already has its precision's type; converting fp32 to bf16 before or
     after rounds alike). (None, None) elsewhere: ZeRO-1/2 keep whole weights on every rank.
 
-    ``deepspeed.zero.Init(module=...)`` is DeepSpeed's own conversion of built parameters; given
-    one parameter at a time (in a holder module), it partitions each before the next is drawn.
-    It partitions over the group the engine shards over (the data × Ulysses ranks, under HSDP
-    the shard group: ``ModelParallelUnit``)."""
+    One ``deepspeed.zero.Init`` (its groups, its NVMe swapper) serves the whole build; each
+    parameter is converted as soon as it is filled (``deepspeed_internals.partition_one``). It
+    partitions over the group the engine shards over (the data × Ulysses ranks, under HSDP the
+    shard group: ``ModelParallelUnit``)."""
     if cfg.parallel.deepspeed_zero_stage != 3 or cfg.model.fp8:
         # float8 swaps the block linears after the build; it needs the whole weights there.
         return None, None
     import deepspeed
 
     mpu = dims.mpu()
-    config = deepspeed_config(cfg, dims)
-    group = mpu.get_sequence_data_parallel_group()
-
-    def partition(param: nn.Parameter) -> None:
-        holder = nn.Module()
-        holder.register_parameter("param", param)
-        deepspeed.zero.Init(module=holder, data_parallel_group=group, config_dict_or_path=config, mpu=mpu,
-                            mem_efficient_linear=False)
-
-    return partition, PARAMETER_DTYPES[cfg.training.precision]
+    init = deepspeed.zero.Init(data_parallel_group=mpu.get_sequence_data_parallel_group(),
+                               config_dict_or_path=deepspeed_config(cfg, dims), mpu=mpu,
+                               mem_efficient_linear=False)
+    dtype = PARAMETER_DTYPES[cfg.training.precision]
+    return functools.partial(deepspeed_internals.partition_one, init), dtype
 
 
 def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters: int,

@@ -131,6 +131,12 @@ class StepRunner:
 
         ds.install_update_gate(opt, gated_step)
 
+    def require_reads(self) -> None:
+        """From now on a late report that was never read is an error, not dropped (the
+        training loop reads them all; a benchmark's steps need not)."""
+        if self._reporter is not None:
+            self._reporter.must_read = True
+
     def _local_loss(self) -> torch.Tensor | None:
         """This rank's summed micro-batch losses of the step (a device scalar), or None on a
         pipeline stage that holds none."""

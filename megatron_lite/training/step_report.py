@@ -71,17 +71,21 @@ class StepReporter:
     """Builds each step's report on the device (``start``) and tells the optimizer whether to
     skip the update."""
 
-    def __init__(self, dims: ParallelDims, acc, device: torch.device, grad_accum: int, n_flags: int):
+    def __init__(self, dims: ParallelDims, acc, device: torch.device, grad_accum: int, n_flags: int,
+                 must_read: bool = False):
+        """``must_read``: every report is read (the trainer); else a report nobody read is waited
+        for and dropped when its buffers come round again (a benchmark's steps)."""
         self.group = dims.group("world")
         self.acc, self.device, self.grad_accum, self.n_flags = acc, device, grad_accum, n_flags
+        self.must_read = must_read
         on_accelerator = device.type != "cpu" and acc is not None
         pin = acc.pin_memory if on_accelerator else (lambda t: t)
-        self._event = acc.Event if on_accelerator and acc.Event is not None else None
         # Two of each: the trainer reads a report one step late, so two are in flight at most;
-        # a host buffer is written again only once its copy has landed (``start`` waits for a
-        # report nobody read: a benchmark's steps).
-        self._flags_in = [pin(torch.zeros(max(n_flags, 1))) for _ in range(2)]
-        self._out = [pin(torch.zeros(n_flags + 5)) for _ in range(2)]
+        # a buffer or event is used again only once its report was read (or dropped).
+        # float64: the sum of identical float32 losses divides back to the same value.
+        self._flags_in = [pin(torch.zeros(max(n_flags, 1), dtype=torch.float64)) for _ in range(2)]
+        self._out = [pin(torch.zeros(n_flags + 5, dtype=torch.float64)) for _ in range(2)]
+        self._events = [acc.Event() for _ in range(2)] if on_accelerator and acc.Event is not None else None
         self._reports: list[PendingReport | None] = [None, None]
         self._turn = 0
 
@@ -94,17 +98,19 @@ class StepReporter:
         turn, self._turn = self._turn, 1 - self._turn
         previous = self._reports[turn]
         if previous is not None and not previous.done:
+            if self.must_read:
+                raise RuntimeError("a step report was not read before its buffers came round again")
             previous.discard()
-        dev = self.device
-        zero = torch.zeros((), device=dev)
-        local = loss_sum.detach().float().reshape(()) if loss_sum is not None else zero
-        holds = torch.ones((), device=dev) if loss_sum is not None else zero
+        dev, f64 = self.device, torch.float64
+        zero = torch.zeros((), device=dev, dtype=f64)
+        local = loss_sum.detach().to(f64).reshape(()) if loss_sum is not None else zero
+        holds = torch.ones((), device=dev, dtype=f64) if loss_sum is not None else zero
         parts = [local, holds]
         if self.n_flags:
             # The flags travel from pinned host memory without a host wait (a pageable copy
             # would wait for the device's queue).
             host_flags = self._flags_in[turn]
-            host_flags.copy_(torch.tensor([float(f) for f in flags]))
+            host_flags.copy_(torch.tensor([float(f) for f in flags], dtype=f64))
             parts.append(host_flags.to(dev, non_blocking=True))
         agreed = torch.cat([p.reshape(-1) for p in parts])
         if self.group is not None:  # None: one process without torch.distributed (unit tests)
@@ -112,19 +118,20 @@ class StepReporter:
         if grad_norm is None:
             norm, has_norm = zero, zero
         else:
-            norm = grad_norm.detach().float().reshape(()) if isinstance(grad_norm, torch.Tensor) \
-                else torch.tensor(float(grad_norm), device=dev)
-            has_norm = torch.ones((), device=dev)
+            # (A float is filled on the device: a copy from pageable memory would wait for it.)
+            norm = grad_norm.detach().to(f64).reshape(()) if isinstance(grad_norm, torch.Tensor) \
+                else torch.full((), float(grad_norm), device=dev, dtype=f64)
+            has_norm = torch.ones((), device=dev, dtype=f64)
             # ZeRO reports a non-finite norm as -1 where it does not skip the step itself (bf16).
             norm = torch.where(norm < 0, torch.full_like(norm, float("inf")), norm)
-        skip = (~torch.isfinite(agreed[0]) | ~torch.isfinite(norm)).float()
+        skip = (~torch.isfinite(agreed[0]) | ~torch.isfinite(norm)).to(f64)
         packet = torch.cat([agreed, torch.stack([norm, has_norm, skip])])
         out = self._out[turn]
-        out.copy_(packet, non_blocking=self._event is not None)
+        out.copy_(packet, non_blocking=self._events is not None)
         event = None
-        if self._event is not None:
-            event = self._event()
+        if self._events is not None:
+            event = self._events[turn]
             event.record()
         report = PendingReport(out, event, self.grad_accum, self.n_flags)
         self._reports[turn] = report
-        return report, skip
+        return report, skip.float()  # fused AdamW's found_inf is a float32 scalar

@@ -162,6 +162,7 @@ class Trainer:
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
         loss_steps = torch.zeros((), device=self.device)  # applied steps (their losses are averaged)
+        self.steps.require_reads()  # this loop reads every step's report; none may be lost
         engine.train()
         self.startup_s = process_age_s()
         if self.startup_s is not None:
