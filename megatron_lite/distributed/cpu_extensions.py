@@ -139,9 +139,12 @@ def build() -> None:
     from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
 
     if AsyncIOBuilder().is_compatible(verbose=False):
-        from deepspeed.ops.op_builder.cpu import PinMemoryBuilder
-
         AsyncIOBuilder().load()
+        try:
+            from deepspeed.ops.op_builder.cpu import PinMemoryBuilder
+        except ImportError:  # DeepSpeed < 0.17: the CPU accelerator pins without an op
+            print("DeepSpeed's async-I/O op (NVMe offload) is built")
+            return
         PinMemoryBuilder().load()  # NVMe offload's staging buffers on this accelerator
         print("DeepSpeed's async-I/O and pinned-memory ops (NVMe offload) are built")
     else:
