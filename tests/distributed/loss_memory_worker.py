@@ -1,6 +1,7 @@
 """One training step of a small Llama with Llama 3's vocabulary (128,256 ids), whose memory is
 dominated by the output layer and loss; writes the host memory the step allocated at its peak
-(torch's profiler, "Total Allocated") on the rank that holds the output layer, to OUT.
+(torch's profiler, "Total Allocated") on the rank that holds the output layer, and what that
+rank ran (its pipeline stage and blocks), to OUT.
 
     python tests/distributed/loss_memory_worker.py OUT                      # one process
     python -m torch.distributed.run --nproc-per-node 2 \
@@ -48,7 +49,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     if dims.pp_rank == dims.pipeline - 1 and dims.tp_rank == 0 and dims.dp_rank == 0:
-        (out / "peak.json").write_text(json.dumps({"bytes": peak_allocated(trace)}))
+        from tests.distributed.layout_worker import what_ran
+
+        (out / "peak.json").write_text(json.dumps({"bytes": peak_allocated(trace),
+                                                   "ran": what_ran(parts.engine, dims)}))
     trace.unlink()
     shutdown_distributed(dims)
 

@@ -14,19 +14,25 @@ from tests.conftest import REPO, _free_port, cpu_env
 WORKER = REPO / "tests/distributed/loss_memory_worker.py"
 
 
-def peak(out, nproc: int, overrides: list[str]) -> int:
+def peak(out, nproc: int, overrides: list[str]) -> tuple[int, dict]:
     cmd = [sys.executable, str(WORKER), str(out), *overrides]
     if nproc > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                     "--master-port", str(_free_port())]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads((out / "peak.json").read_text())["bytes"]
+    result = json.loads((out / "peak.json").read_text())
+    return result["bytes"], result["ran"]
 
 
 def test_last_pipeline_stage_never_holds_full_logits(tmp_path):
-    single = peak(tmp_path / "one", 1, [])
-    last_stage = peak(tmp_path / "pp2", 2, ["parallel.pipeline=2"])
+    single, one = peak(tmp_path / "one", 1, [])
+    last_stage, ran = peak(tmp_path / "pp2", 2, ["parallel.pipeline=2"])
+    # The bound means something only if the step was pipelined: DeepSpeed's pipeline engine,
+    # the measured rank its last stage, holding one of the two blocks.
+    assert one["pipeline_stages"] == 1 and one["blocks"] == 2, one
+    assert ran["pipeline_stages"] == 2 and ran["group_sizes"]["pipeline"] == 2, ran
+    assert ran["coordinates"]["pipeline"] == 1 and ran["blocks"] == 1, ran
     full_logits = 4 * 256 * 128_256 * 4
     assert single < full_logits, f"the one-process step allocated {single / 1e6:.0f} MB"
     assert last_stage <= 1.10 * single, (f"last stage {last_stage / 1e6:.0f} MB against one process's "

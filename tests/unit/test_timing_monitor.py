@@ -1,6 +1,6 @@
 """Phase clock (host and device-event paths), interval accounting, slowdown and straggler rules."""
 
-import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,23 +44,39 @@ class Accelerator:
         return RecordingEvent(enable_timing)
 
 
+class HostClock:
+    """time.perf_counter as the phase clock sees it: it moves only when the test says."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
 @pytest.mark.parametrize("host", [True, False], ids=["host-clock", "device-events"])
-def test_phase_clock_sums_each_phase_until_read(host):
+def test_phase_clock_sums_each_phase_until_read(host, monkeypatch):
     RecordingEvent.made.clear()
+    host_clock = HostClock()
+    monkeypatch.setattr("megatron_lite.training.timing.time", SimpleNamespace(perf_counter=host_clock))
     clock = PhaseClock(Accelerator(host))
     for _ in range(2):  # two micro-batches: the optimizer phase runs into the next data wait
         clock.mark("data")
-        time.sleep(0.02)
+        host_clock.sleep(0.02)
         clock.mark("forward")
-        time.sleep(0.01)
+        host_clock.sleep(0.01)
         clock.mark("backward")
+        host_clock.sleep(0.003)
         clock.mark("optimizer")
     clock.mark(None)
     totals = clock.read()
     assert list(totals) == ["data", "forward", "backward", "optimizer"]
-    assert totals["data"] >= 40  # the host's wait, on every device
+    assert totals["data"] == pytest.approx(40)  # the host's wait, on every device
     if host:
-        assert totals["forward"] >= 20 and totals["backward"] < totals["forward"]
+        assert [totals[p] for p in ("forward", "backward", "optimizer")] == pytest.approx([20, 6, 0])
     else:  # the device's time between the events: 5 ms per phase per micro-batch
         assert [totals[p] for p in ("forward", "backward", "optimizer")] == pytest.approx([10.0] * 3)
     # The data wait is host time: no event marks the start of a data phase.
