@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -23,12 +25,15 @@ def _records(run_dir, first_step):
 # (Data parallelism is resumed with background saves; synchronous saves with one process and
 # with tensor parallelism.) Dropout draws from the random state every step (under TP=2 the
 # attention's tensor-rank streams too): a resume that did not restore it would differ.
+# One process also evaluates and samples text every 2 steps: the samples after the resume are
+# the uninterrupted run's.
 @pytest.mark.parametrize("nproc, layout", [
-    (1, []), (2, ["parallel.tensor=2"]), (2, ["parallel.zero_stage=1", "checkpoint.async_save=true"]),
+    (1, ["training.eval_interval=2", "training.sample_tokens=16"]), (2, ["parallel.tensor=2"]),
+    (2, ["parallel.zero_stage=1", "checkpoint.async_save=true"]),
 ], ids=["one-process", "tp2", "dp2-zero1-async"])
 def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
     full = _args(tmp_path, "training.iters=6", "model.dropout=0.1", *layout)
-    check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
+    uninterrupted = check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     # (A background save announces itself when committed: the kill comes after the commit.)
     # Steps 5 and 6 (samples 32-47) read slowly in the killed run, so the kill lands before it
@@ -36,11 +41,18 @@ def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
     run_pretrain_and_kill([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
                           f"saved checkpoint {tmp_path}/ck/step_00000003",
                           env={"FAULT_SLOW_DATA": "32:48:5"})
-    check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
+    resumed = check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
     want, got = _records(tmp_path / "full", 4), _records(tmp_path / "resumed", 1)
     assert [r["step"] for r in got] == [4, 5, 6]
     for key in ("loss", "grad_norm", "lr", "consumed_samples"):
         assert [r[key] for r in got] == [r[key] for r in want], key
+    if "training.sample_tokens=16" in layout:
+        evals = [[(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / run) if "val_loss" in r]
+                 for run in ("full", "resumed")]
+        assert evals[1] == [e for e in evals[0] if e[0] > 3] and len(evals[1]) == 2, evals
+        samples = [re.findall(r"sample at step ([46]):\n(.*?)\n-{40}", p.stdout, re.S)
+                   for p in (uninterrupted, resumed)]
+        assert len(samples[1]) == 2 and samples[0] == samples[1], samples
 
 
 @pytest.mark.parametrize("save, resume", [
