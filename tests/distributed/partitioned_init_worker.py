@@ -1,6 +1,6 @@
 """Worker of test_partitioned_init.py (each of 2 ranks): builds a ZeRO-3 model as a run does and
-prints, as JSON, the most bytes its parameters held on the device while it was being built, with
-the planner's per-rank weight bytes and largest parameter.
+writes, as JSON in OUT/rank{N}.json, the most bytes its parameters held on the device while it
+was being built, with the planner's per-rank weight bytes and largest parameter.
 
 The bytes are counted as each parameter is filled (the build's gradient-sum registration, which
 every parameter passes through once, right after it is filled): the storage every parameter
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
@@ -19,7 +20,8 @@ from megatron_lite.parallel import apply, build_parallel_model
 from megatron_lite.planner.estimate import estimate, largest_gathered
 from megatron_lite.training.engine import partitioned_init
 
-overrides = [a for a in sys.argv[1:] if a != "whole=1"]
+out = Path(sys.argv[1])  # each rank its own file: lines two ranks print at once can interleave
+overrides = [a for a in sys.argv[2:] if a != "whole=1"]
 cfg = load_config("recipes/shakespeare-char.yaml", ["model.vocab_size=66", "training.micro_batch_size=1",
                                                    "parallel.zero_stage=3", *overrides])
 dims, acc = init_distributed(cfg, detect())
@@ -47,7 +49,8 @@ apply.comm.register_gradient_sum = counted
 model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                              zero_partition=partition, dtype=dtype)
 plan = estimate(cfg, model_cfg, dims.world_size, 2)
-print(json.dumps({"rank": dims.rank, "peak": max(peaks), "after": sum(held(p) for p in model.parameters()),
-                  "counted": len(built), "parameters": len(list(model.parameters())),
-                  "plan_weights": plan.weights, "largest": largest_gathered(model_cfg, dims.tensor, 1),
-                  "element": 2 if cfg.training.precision != "fp32" else 4}))
+result = {"rank": dims.rank, "peak": max(peaks), "after": sum(held(p) for p in model.parameters()),
+          "counted": len(built), "parameters": len(list(model.parameters())),
+          "plan_weights": plan.weights, "largest": largest_gathered(model_cfg, dims.tensor, 1),
+          "element": 2 if cfg.training.precision != "fp32" else 4}
+(out / f"rank{dims.rank}.json").write_text(json.dumps(result))
