@@ -61,7 +61,7 @@ MUTATIONS = [
     Mutation("checkpoint-padding", "a checkpoint's padded vocabulary is read as the tokenizer's rows",
              "megatron_lite/checkpoint/convert.py", 'assembler.full(name, "param")[:cfg.vocab_size]',
              'assembler.full(name, "param")',
-             ("tests/e2e/test_convert_checkpoint.py::test_a_padded_vocabulary_exports_the_tokenizers_rows_only",)),
+             ("tests/e2e/test_convert_checkpoint.py::test_a_padded_gpt2_vocabulary_exports_the_tokenizers_rows_only",)),
     Mutation("no-device-skip", "a non-finite update is never applied when judged after it",
              "megatron_lite/training/step.py", "opt.found_inf = skip", "pass",
              ("tests/distributed/test_step_syncs.py::"

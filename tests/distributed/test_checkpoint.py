@@ -55,15 +55,23 @@ def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
         assert len(samples[1]) == 2 and samples[0] == samples[1], samples
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One process, 6 steps, its checkpoint at the end: the reference every resharded run is
+    held against (one run for all of them)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    check(run_pretrain([*_args(tmp, "training.iters=6"), f"checkpoint.dir={tmp}/ck-full",
+                        f"logging.dir={tmp}/full"]))
+    return tmp
+
+
 @pytest.mark.parametrize("save, resume", [
     # Tiles (each block linear 2 x 2 parameters) load into the plain layers, ZeRO-3 into none.
     ((2, ["parallel.zero_stage=3", "parallel.tile_factor=2"]), (1, [])),
     ((4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]), (2, ["parallel.zero_stage=2"])),
     ((4, ["parallel.tensor=2", "parallel.pipeline=2"]), (1, [])),
 ], ids=["dp2-zero3-tiled-to-1", "hsdp2x2-to-dp2-zero2", "tp2xpp2-to-1"])
-def test_checkpoint_loads_into_another_layout(tmp_path, save, resume):
-    reference = _args(tmp_path, "training.iters=6")
-    check(run_pretrain([*reference, f"checkpoint.dir={tmp_path}/ck-full", f"logging.dir={tmp_path}/full"]))
+def test_checkpoint_loads_into_another_layout(tmp_path, uninterrupted, save, resume):
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     check(run_pretrain([*_args(tmp_path, "training.iters=3", *save[1]), *ck, f"logging.dir={tmp_path}/a"],
                        nproc=save[0]))
@@ -76,14 +84,14 @@ def test_checkpoint_loads_into_another_layout(tmp_path, save, resume):
         written = [torch.load(tmp_path / f"ck/step_00000003/rank_{r:05d}.pt", weights_only=False)["fragments"]
                    for r in range(4)]
         assert written[0] and written[1] and not written[2] and not written[3]
-    want, got = _records(tmp_path / "full", 4), _records(tmp_path / "b", 1)
+    want, got = _records(uninterrupted / "full", 4), _records(tmp_path / "b", 1)
     assert [r["step"] for r in got] == [4, 5, 6]
     for key in ("loss", "grad_norm", "lr"):
         torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]),
                                    rtol=1e-5, atol=0, msg=key)
     # The gathered weights and Adam moments written at the end match the uninterrupted run's.
     ours = _gathered_state(tmp_path / "ck/step_00000006")
-    theirs = _gathered_state(tmp_path / "ck-full/step_00000006")
+    theirs = _gathered_state(uninterrupted / "ck-full/step_00000006")
     assert ours.keys() == theirs.keys()
     # Each kind of state at its own scale: Adam's second moments are ~1e-9 here, where the
     # weights' absolute tolerance would accept anything. (Per kind, not per tensor: a key

@@ -20,12 +20,16 @@ def _losses(tmp_path, name, nproc, *extra):
     return torch.tensor([[r["loss"], r["grad_norm"]] for r in records], dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("eager"), "eager", 1)
+
+
 @pytest.mark.parametrize("nproc, layout", [
     (1, ["model.activation_checkpointing=true"]),
     (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
 ], ids=["recompute", "tp2-sp"])
-def test_compiled_blocks_match_eager(tmp_path, nproc, layout):
-    eager = _losses(tmp_path, "eager", 1)
+def test_compiled_blocks_match_eager(tmp_path, eager, nproc, layout):
     compiled = _losses(tmp_path, "compiled", nproc, "training.compile=true", *layout)
     assert compiled.shape == (4, 2)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
