@@ -150,8 +150,8 @@ def test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing():
 
 def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
     """Rank 1 sleeps before its third log line's loss average; rank 0 waits in that collective
-    until distributed.timeout_minutes (15 s), exits naming it, and the launcher stops rank 1."""
-    timeout_s = 15
+    until distributed.timeout_minutes (9 s), exits naming it, and the launcher stops rank 1."""
+    timeout_s = 9
     env = {**cpu_env(), "DIST_HARNESS_STALL": "1:_train_record:3:900"}
     cmd = pretrain_command([*_args(tmp_path), "training.iters=20", f"logging.dir={tmp_path}/run",
                             f"distributed.timeout_minutes={timeout_s / 60}"], nproc=2)
@@ -186,10 +186,10 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
 
 
 def test_ranks_wait_for_the_dataset_build_longer_than_a_collective(tmp_path):
-    """Rank 0 takes 25 s before the dataset-build agreement (as indexing a large corpus does);
-    rank 1 waits in it for distributed.setup_timeout_minutes, not the 15 s collective timeout."""
+    """Rank 0 takes 14 s before the dataset-build agreement (as indexing a large corpus does);
+    rank 1 waits in it for distributed.setup_timeout_minutes, not the 9 s collective timeout."""
     proc = run_pretrain([*_args(tmp_path), "training.iters=2", f"logging.dir={tmp_path}/run",
-                         "distributed.timeout_minutes=0.25"], nproc=2,
-                        env={"DIST_HARNESS_STALL": "0:_run_on_groups:1:25"})
+                         "distributed.timeout_minutes=0.15"], nproc=2,
+                        env={"DIST_HARNESS_STALL": "0:_run_on_groups:1:14"})
     check(proc)
-    assert "[harness] rank 0 stalls 25 s before barrier in training/run.py:_run_on_groups" in proc.stdout
+    assert "[harness] rank 0 stalls 14 s before barrier in training/run.py:_run_on_groups" in proc.stdout
