@@ -123,10 +123,10 @@ def guard_op_builds(log: Callable[[str], None]) -> None:
     before_every_op_build(guard)
 
 
-def build() -> None:
+def build(nvme: bool = True) -> None:
     """Build the op now (as a run would, into the same directory), DeepSpeed's CPU Adam and,
-    where libaio exists, its NVMe ops, which ZeRO-Offload (``parallel.offload_optimizer``,
-    ``offload_params``) compiles on first use otherwise."""
+    where libaio exists and ``nvme``, its NVMe ops, which ZeRO-Offload
+    (``parallel.offload_optimizer``, ``offload_params``) compiles on first use otherwise."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_environment_extensions_dir()
     guard_op_builds(print)
@@ -138,6 +138,8 @@ def build() -> None:
     print("DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) is built")
     from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
 
+    if not nvme:
+        return
     if AsyncIOBuilder().is_compatible(verbose=False):
         AsyncIOBuilder().load()
         try:

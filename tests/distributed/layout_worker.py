@@ -3,7 +3,7 @@ overrides, on fixed random tokens; writes this rank's losses, gradient norms and
 slices (by plain-model name) to OUT/rank{R}.pt. Run by test_layouts.py, one process or many.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/layout_worker.py OUT \
-        parallel.tensor=2
+        parallel.tensor=2 [variant=llama]
 """
 
 from __future__ import annotations
@@ -105,9 +105,12 @@ def what_ran(engine, dims: ParallelDims) -> dict:
 
 
 def main() -> None:
-    out, overrides = Path(sys.argv[1]), sys.argv[2:]
+    out, overrides = Path(sys.argv[1]), [a for a in sys.argv[2:] if not a.startswith("variant=")]
+    only = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("variant=")]
     results = {}
     for name, extra in VARIANTS.items():
+        if only and name not in only:
+            continue
         results[name], dims = train([*COMMON, *extra, *overrides])
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out.mkdir(parents=True, exist_ok=True)
