@@ -58,6 +58,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without its default fill: ``Transformer.reset_parameters`` draws the
+    weights. (The fill would be drawn only to be replaced; on the meta device ``normal_`` runs
+    as a Python reference whose first call imports torch._dynamo, a second of ``--dry-run``,
+    ``--plan`` and conversions, which build no optimizer.)"""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -208,8 +218,8 @@ class Transformer(nn.Module):
         if cfg.vocab_size is None or cfg.max_seq_len is None:
             raise ValueError("ModelConfig needs vocab_size and max_seq_len resolved (see resolve_model)")
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.tok_emb = Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         # Keyed by index: a pipeline stage keeps some blocks under their own names.
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
@@ -217,10 +227,9 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.tokenizer_vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.position == "rope":  # filled by reset_buffers (not on the meta device: as above)
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
         self.activation_checkpointing = cfg.activation_checkpointing
