@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
+from megatron_lite.distributed.parallel_dims import shutdown_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import apply, build_parallel_model
 from megatron_lite.planner.estimate import estimate, largest_gathered
@@ -54,3 +55,8 @@ result = {"rank": dims.rank, "peak": max(peaks), "after": sum(held(p) for p in m
           "plan_weights": plan.weights, "largest": largest_gathered(model_cfg, dims.tensor, 1),
           "element": 2 if cfg.training.precision != "fp32" else 4}
 (out / f"rank{dims.rank}.json").write_text(json.dumps(result))
+shutdown_distributed(dims)
+
+from megatron_lite.training.entry import exit_process  # noqa: E402
+
+exit_process(0)  # as pretrain.py: no interpreter finalization after the groups are gone (it can abort)
