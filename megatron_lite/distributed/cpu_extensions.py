@@ -136,10 +136,10 @@ def build(nvme: bool = True) -> None:
     print(f"DeepSpeed's {OP} is built in {build_directory()}")
     CPUAdamBuilder().load()
     print("DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) is built")
-    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
-
     if not nvme:
         return
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
     if AsyncIOBuilder().is_compatible(verbose=False):
         AsyncIOBuilder().load()
         try:

@@ -20,6 +20,7 @@ from megatron_lite.model import resolve_model
 from megatron_lite.parallel import apply, build_parallel_model
 from megatron_lite.planner.estimate import estimate, largest_gathered
 from megatron_lite.training.engine import partitioned_init
+from megatron_lite.training.entry import exit_process
 
 out = Path(sys.argv[1])  # each rank its own file: lines two ranks print at once can interleave
 overrides = [a for a in sys.argv[2:] if a != "whole=1"]
@@ -56,7 +57,4 @@ result = {"rank": dims.rank, "peak": max(peaks), "after": sum(held(p) for p in m
           "element": 2 if cfg.training.precision != "fp32" else 4}
 (out / f"rank{dims.rank}.json").write_text(json.dumps(result))
 shutdown_distributed(dims)
-
-from megatron_lite.training.entry import exit_process  # noqa: E402
-
 exit_process(0)  # as pretrain.py: no interpreter finalization after the groups are gone (it can abort)
