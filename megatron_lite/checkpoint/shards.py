@@ -132,7 +132,7 @@ def local_fragments(engine, dims: ParallelDims,
     module = engine.module
     ensure_optimizer_state(engine)
     out: list[Fragment] = []
-    plain_opt = None
+    plain_opt = masters = None
     for p in _owned_parameters(module, dims):
         shape = ds.full_shape(p)
         name = spec(p).name
@@ -158,9 +158,11 @@ def local_fragments(engine, dims: ParallelDims,
             if dims.dp_rank != 0 or dims.sp_rank != 0:
                 continue
             plain_opt = plain_opt or torch_optimizer(engine)
-            state = plain_opt.state.get(p, {})
+            masters = ds.master_weights(engine) if masters is None else masters
+            master = masters.get(p, p)  # bf16/fp16: the optimizer steps (and keys) the fp32 copy
+            state = plain_opt.state.get(master, {})
             start = 0
-            tensors = {"param": copy((*piece, "param"), p)}
+            tensors = {"param": copy((*piece, "param"), master)}
             for key in STATE_KEYS:
                 value = state.get(key)
                 tensors[key] = copy((*piece, key), value) if value is not None else torch.zeros(p.numel())
@@ -360,7 +362,7 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
     """Set this rank's weights and optimizer state from ``assembler`` (any source layout)."""
     module = engine.module
     ensure_optimizer_state(engine)
-    plain_opt = None
+    plain_opt = masters = None
     for p in module.parameters():
         values = {key: _local_slice(p, assembler.full(spec(p).name, key)).reshape(-1)
                   for key in ("param", *STATE_KEYS)}
@@ -393,11 +395,15 @@ def load_fragments(engine, assembler: Assembler, step: int) -> None:
                 safe_set_local_optimizer_state(p, padded[key], key)
         else:
             plain_opt = plain_opt or torch_optimizer(engine)
+            masters = ds.master_weights(engine) if masters is None else masters
             p.data.copy_(values["param"].view_as(p).to(p.dtype))
-            state = plain_opt.state.setdefault(p, {})
+            master = masters.get(p, p)  # bf16/fp16: the fp32 copy the optimizer steps
+            if master is not p:
+                master.data.copy_(values["param"].view_as(master))
+            state = plain_opt.state.setdefault(master, {})
             for key in STATE_KEYS:
-                state[key] = values[key].view_as(p).to(device=p.device, dtype=p.dtype).clone()
+                state[key] = values[key].view_as(master).to(device=master.device, dtype=master.dtype).clone()
             # torch's AdamW keeps its step count as a tensor (float32, on the parameter's device
             # for the fused kernel).
             state["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                         device=p.device if plain_opt.defaults.get("fused") else "cpu")
+                                         device=master.device if plain_opt.defaults.get("fused") else "cpu")

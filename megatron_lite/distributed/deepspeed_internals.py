@@ -41,6 +41,8 @@ RELIED_ON = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_hp_optimizer_states_linked"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_global_grad_norm"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_lazy_init_hp_params_optimizer_state"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "fp16_groups"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "fp32_groups"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_global_grad_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "grad_partitions_flat_buffer"),
@@ -244,6 +246,21 @@ def zero3_flat_groups(engine) -> list[torch.Tensor]:
     """ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside the torch
     optimizer's param_groups (``fp32_partitioned_groups_flat``)."""
     return list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+
+
+def master_weights(engine) -> dict[nn.Parameter, torch.Tensor]:
+    """{model parameter: its fp32 master copy} where DeepSpeed keeps one outside ZeRO: bf16 and
+    fp16 at ZeRO stage 0 with a torch optimizer get ``FP16_UnfusedOptimizer``, which steps fp32
+    clones of the parameters (``fp32_groups``, parallel to ``fp16_groups``), so the torch
+    optimizer's state is keyed by the clones. Empty for every other optimizer (ZeRO and the
+    pipeline's bf16 optimizer link theirs through ``hp_mapping``; fp32 has none)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return {}
+    return {lp: hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+            for lp, hp in zip(lps, hps, strict=True)}
 
 
 def relink_optimizer_state(engine) -> None:
