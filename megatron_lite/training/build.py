@@ -48,6 +48,22 @@ class Components:
         return torch.device(self.acc.current_device_name())
 
 
+def unfused_wrapper_note(cfg: Config, device_type: str) -> str | None:
+    """A note when DeepSpeed will wrap the optimizer in its unfused fp16/bf16 wrapper (its choice
+    for fp16 at ZeRO stage 0, and for bf16 there outside pipelining): that wrapper checks every
+    parameter's gradient for overflow with a read to the host, one wait for the device per
+    parameter per step (docs/benchmarks.md, "One GPU: host reads per step"). None on the CPU,
+    where the host is the device."""
+    precision, pipelined = cfg.training.precision, cfg.parallel.pipeline > 1
+    if (device_type == "cpu" or cfg.parallel.deepspeed_zero_stage != 0 or precision == "fp32"
+            or (precision == "bf16" and pipelined)):
+        return None
+    return (f"note: {precision} at parallel.zero_stage=0 goes through DeepSpeed's unfused "
+            "mixed-precision wrapper, which reads every parameter's gradient to the host each step "
+            "(a small model's step can take twice as long); parallel.zero_stage=1 avoids it and, "
+            "at data parallel 1, holds the same memory")
+
+
 def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -> Components:
     """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``),
     put the device's and the recipe's kernels into it, compile it when asked and wrap it in the
@@ -78,6 +94,9 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
         notes.append(f"torch.compile: {n} transformer block(s) on this rank, backend "
                      f"{acc.get_compile_backend()}")
     engine = build_engine(model, cfg, dims, iters, device_type, kernels.adamw)
+    note = unfused_wrapper_note(cfg, device_type)
+    if note:
+        notes.append(note)
     steps = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg),
                        devmod.graph_break(acc, cfg.training.hpu_mode), kernels.clip_norm, acc)
     return Components(acc, model_cfg, engine, steps, iters,

@@ -112,3 +112,25 @@ def test_ulysses_head_counts_older_deepspeed_cannot_run_are_named(monkeypatch):
     assert deepspeed_versions.ulysses_head_problems(8, 4, 2) == []
     monkeypatch.setattr(deepspeed_versions, "deepspeed_version", lambda: Version("0.18.3"))
     assert deepspeed_versions.ulysses_head_problems(4, 2, 2) == []
+
+
+@pytest.mark.parametrize("overrides, device, noted", [
+    (["training.precision=bf16", "parallel.zero_stage=0"], "cuda", True),
+    (["training.precision=fp16", "parallel.zero_stage=0", "parallel.pipeline=2"], "cuda", True),
+    (["training.precision=bf16", "parallel.zero_stage=0"], "cpu", False),
+    (["training.precision=bf16", "parallel.zero_stage=1"], "cuda", False),
+    (["training.precision=fp32", "parallel.zero_stage=0"], "hpu", False),
+    (["training.precision=bf16", "parallel.zero_stage=0", "parallel.pipeline=2"], "cuda", False),
+    (["training.precision=bf16", "parallel.zero_stage=0", "parallel.hsdp=true"], "cuda", False),
+])
+def test_the_unfused_mixed_precision_wrapper_is_noted_where_deepspeed_picks_it(overrides, device, noted):
+    """DeepSpeed wraps the optimizer in FP16_UnfusedOptimizer (a host read per parameter per step)
+    for fp16 without ZeRO, and for bf16 without ZeRO outside pipelining; the run says so on an
+    accelerator and names the stage that avoids it."""
+    from megatron_lite.training.build import unfused_wrapper_note
+
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
+    note = unfused_wrapper_note(cfg, device)
+    assert (note is not None) == noted, note
+    if noted:
+        assert "parallel.zero_stage=1" in note and cfg.training.precision in note
