@@ -25,6 +25,7 @@ import torch
 from tests.conftest import REPO, char_overrides, check, cpu_env, read_metrics, run_pretrain
 
 ITERS, SAVE_EVERY, STOP_AT = 60, 10, 30
+SLOW_FROM = STOP_AT * 24  # the first slow training sample (global batch 24)
 ELSEWHERE = "198.51.100.7"
 """An address of no machine (TEST-NET-2): a MASTER_ADDR that is not rank 0's node."""
 SECRET = "wandb-test-0f1e2d3c4b5a69788796a5b4c3d2e1f0"
@@ -61,6 +62,22 @@ def ray_cluster(records: Path, env: dict[str, str]) -> Iterator[str]:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[str, Path]]:
+    """One Ray cluster for this module's runs (starting one costs more than most of them):
+    (its address, the folder of its records). Its workers read training samples from
+    ``SLOW_FROM`` on 0.02 s late (0.24 s per step at 12 samples per rank): the cluster test's stop
+    comes before its run's end however fast the machine; the other runs end long before those
+    samples."""
+    # Short: Ray's socket paths under it must fit in 107 characters.
+    records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    try:
+        with ray_cluster(records, {"FAULT_SLOW_DATA": f"{SLOW_FROM}:{ITERS * 24}:0.02"}) as address:
+            yield address, records
+    finally:
+        shutil.rmtree(records, ignore_errors=True)
 
 
 def launch(cmd: list[str], env: dict[str, str], on_line: Callable[[str, subprocess.Popen], None],
@@ -104,8 +121,8 @@ def files_holding(text: str, *roots: Path) -> list[Path]:
             if p.is_file() and not p.is_symlink() and needle in p.read_bytes()]
 
 
-def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stopped(tmp_path):
-    import ray  # noqa: F401  (an optional extra: pip install -e .[ray], part of .[test])
+def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stopped(tmp_path, cluster):
+    address, records = cluster
 
     check(run_pretrain(recipe(tmp_path, "torchrun"), nproc=2))
     reference = losses(read_metrics(tmp_path / "torchrun"))
@@ -114,8 +131,6 @@ def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stoppe
     ckpt = tmp_path / "ckpt"
     launcher_tmp = tmp_path / "launcher_tmp"
     launcher_tmp.mkdir()
-    # Short: Ray's socket paths under it must fit in 107 characters.
-    records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     # The launcher's shell names a rendezvous host that is not rank 0's node, and a secret.
     env = {**cpu_env(), "MASTER_ADDR": ELSEWHERE, "WANDB_API_KEY": SECRET, "TMPDIR": str(launcher_tmp),
            "RAY_AUTH_MODE": "disabled"}
@@ -138,64 +153,60 @@ def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stoppe
             os.kill(proc.pid, signal.SIGTERM)
             stopped.append(logged_step(line) or 0)
 
-    try:
-        # Steps after STOP_AT take 0.24 s longer (12 samples per rank): the stop, which takes a
-        # few steps to reach the workers, comes before the run's end however fast the machine.
-        with ray_cluster(records, {"FAULT_SLOW_DATA": f"{STOP_AT * 24}:{ITERS * 24}:0.02"}) as address:
-            status, out = launch(
-                [sys.executable, str(REPO / "launch" / "ray_train.py"), *recipe(tmp_path, "ray"),
-                 f"checkpoint.dir={ckpt}", f"checkpoint.save_interval={SAVE_EVERY}",
-                 "checkpoint.keep_last=10", "--num-workers", "2", "--max-failures", "1",
-                 "--report-interval", "20", "--address", address], env, on_line, timeout=420)
-        (tmp_path / "launcher.log").write_text(out)
-        assert status == 0, out[-6000:]
-        assert killed, f"the run ended before its first checkpoint was reported\n{out[-4000:]}"
-        assert stopped, f"the run ended before step {STOP_AT} after its resume\n{out[-4000:]}"
+    # Steps after STOP_AT read slowly (the cluster fixture): the stop, which takes a few steps to
+    # reach the workers, comes before the run's end however fast the machine.
+    status, out = launch(
+        [sys.executable, str(REPO / "launch" / "ray_train.py"), *recipe(tmp_path, "ray"),
+         f"checkpoint.dir={ckpt}", f"checkpoint.save_interval={SAVE_EVERY}",
+         "checkpoint.keep_last=10", "--num-workers", "2", "--max-failures", "1",
+         "--report-interval", "20", "--address", address], env, on_line, timeout=420)
+    (tmp_path / "launcher.log").write_text(out)
+    assert status == 0, out[-6000:]
+    assert killed, f"the run ended before its first checkpoint was reported\n{out[-4000:]}"
+    assert stopped, f"the run ended before step {STOP_AT} after its resume\n{out[-4000:]}"
 
-        # Both times the workers started, rank 0 ignored MASTER_ADDR, which is not its node, and
-        # the ranks met on loopback (the whole job is on rank 0's node).
-        meetings = re.findall(r"rendezvous at (\S+):(\d+)", out)
-        assert len(meetings) == 2 and {host for host, _ in meetings} == {"127.0.0.1"}, meetings
-        assert out.count(f"warning: MASTER_ADDR={ELSEWHERE} is not an address of the node Ray placed "
-                         "rank 0 on") == 2, out[-6000:]
-        # The workers had the secret, from the launcher's private file (their cluster lacks it) ...
-        assert out.count("ray: secrets (kept out of Ray's records): WANDB_API_KEY from the launcher's "
-                         "private file") == 2, out[-6000:]
-        # ... which is gone, and the value is in none of Ray's records or the run's files.
-        assert not list(launcher_tmp.glob("megatron_lite-ray-*"))
-        assert SECRET not in out
-        assert files_holding(SECRET, records, tmp_path) == []
+    # Both times the workers started, rank 0 ignored MASTER_ADDR, which is not its node, and
+    # the ranks met on loopback (the whole job is on rank 0's node).
+    meetings = re.findall(r"rendezvous at (\S+):(\d+)", out)
+    assert len(meetings) == 2 and {host for host, _ in meetings} == {"127.0.0.1"}, meetings
+    assert out.count(f"warning: MASTER_ADDR={ELSEWHERE} is not an address of the node Ray placed "
+                     "rank 0 on") == 2, out[-6000:]
+    # The workers had the secret, from the launcher's private file (their cluster lacks it) ...
+    assert out.count("ray: secrets (kept out of Ray's records): WANDB_API_KEY from the launcher's "
+                     "private file") == 2, out[-6000:]
+    # ... which is gone, and the value is in none of Ray's records or the run's files.
+    assert not list(launcher_tmp.glob("megatron_lite-ray-*"))
+    assert SECRET not in out
+    assert files_holding(SECRET, records, tmp_path) == []
 
-        resumes = re.findall(rf"resumed from {ckpt}/step_(\d+) at step (\d+)", out)
-        assert len(resumes) == 1, out[-6000:]
-        resume_step = int(resumes[0][1])
-        assert SAVE_EVERY <= resume_step < STOP_AT
+    resumes = re.findall(rf"resumed from {ckpt}/step_(\d+) at step (\d+)", out)
+    assert len(resumes) == 1, out[-6000:]
+    resume_step = int(resumes[0][1])
+    assert SAVE_EVERY <= resume_step < STOP_AT
 
-        # SIGTERM to the launcher: every rank saved at the step it reached, and the run ended.
-        stop = re.findall(r"stopping at step (\d+): signal SIGTERM \(to the launcher\)", out)
-        assert len(stop) == 1, out[-6000:]
-        last = int(stop[0])
-        assert stopped[0] <= last < ITERS
-        assert f"saved checkpoint {ckpt}/step_{last:08d}" in out
-        assert (ckpt / "latest").read_text().strip() == f"step_{last:08d}"
-        assert f"ray: stopped by SIGTERM; the checkpoint of the last step is in {ckpt}" in out
+    # SIGTERM to the launcher: every rank saved at the step it reached, and the run ended.
+    stop = re.findall(r"stopping at step (\d+): signal SIGTERM \(to the launcher\)", out)
+    assert len(stop) == 1, out[-6000:]
+    last = int(stop[0])
+    assert stopped[0] <= last < ITERS
+    assert f"saved checkpoint {ckpt}/step_{last:08d}" in out
+    assert (ckpt / "latest").read_text().strip() == f"step_{last:08d}"
+    assert f"ray: stopped by SIGTERM; the checkpoint of the last step is in {ckpt}" in out
 
-        got = losses(read_metrics(tmp_path / "ray"))
-        assert sorted(got) == list(range(1, last + 1))
-        # Ray's two workers compute what torchrun's two processes compute ...
-        torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
-                                   torch.tensor([reference[s] for s in sorted(got)], dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-5)
-        # ... and after the resume, exactly what the uninterrupted run computed.
-        after = [s for s in sorted(got) if s > resume_step]
-        assert [got[s] for s in after] == [reference[s] for s in after]
-        # The records went to Ray as well.
-        assert f"ray: received the report of step 20: loss {got[20]!r}" in out, out[-3000:]
-    finally:
-        shutil.rmtree(records, ignore_errors=True)
+    got = losses(read_metrics(tmp_path / "ray"))
+    assert sorted(got) == list(range(1, last + 1))
+    # Ray's two workers compute what torchrun's two processes compute ...
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
+                               torch.tensor([reference[s] for s in sorted(got)], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)
+    # ... and after the resume, exactly what the uninterrupted run computed.
+    after = [s for s in sorted(got) if s > resume_step]
+    assert [got[s] for s in after] == [reference[s] for s in after]
+    # The records went to Ray as well.
+    assert f"ray: received the report of step 20: loss {got[20]!r}" in out, out[-3000:]
 
 
-def test_sigterm_to_a_worker_saves_every_rank_at_one_step_and_ends_the_run(tmp_path):
+def test_sigterm_to_a_worker_saves_every_rank_at_one_step_and_ends_the_run(tmp_path, cluster):
     """As SIGTERM to one rank under mpiexec (a node shutting down): the other rank learns of it
     at the next step, both save that step, and the launcher exits 0."""
     ckpt = tmp_path / "ckpt"
@@ -209,16 +220,11 @@ def test_sigterm_to_a_worker_saves_every_rank_at_one_step_and_ends_the_run(tmp_p
             os.kill(rank1[0], signal.SIGTERM)
             sent.append(logged_step(line) or 0)
 
-    records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    try:
-        with ray_cluster(records, {}) as address:  # without a dashboard: starts faster
-            status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
-                                  *recipe(tmp_path, "run", 200), f"checkpoint.dir={ckpt}",
-                                  "checkpoint.save_interval=1000", "--num-workers", "2",
-                                  "--report-interval", "1000", "--address", address],
-                                 {**cpu_env(), "RAY_AUTH_MODE": "disabled"}, on_line, timeout=300)
-    finally:
-        shutil.rmtree(records, ignore_errors=True)
+    status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
+                          *recipe(tmp_path, "run", 200), f"checkpoint.dir={ckpt}",
+                          "checkpoint.save_interval=1000", "--num-workers", "2",
+                          "--report-interval", "1000", "--address", cluster[0]],
+                         {**cpu_env(), "RAY_AUTH_MODE": "disabled"}, on_line, timeout=300)
     assert status == 0 and sent, out[-6000:]
     stop = re.findall(r"stopping at step (\d+): signal received by another rank", out)
     assert len(stop) == 1, out[-6000:]
@@ -241,12 +247,13 @@ def test_ray_launcher_refuses_bad_input_before_starting_ray(args, says):
     assert "Ray instance" not in proc.stderr + proc.stdout
 
 
-def test_a_failing_worker_ends_the_launcher_with_its_reason(tmp_path):
+def test_a_failing_worker_ends_the_launcher_with_its_reason(tmp_path, cluster):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_train.py"),
                            "recipes/shakespeare-char.yaml", f"data.prefix={tmp_path}/missing",
                            "data.build_from=null", "training.global_batch_size=24",
-                           f"logging.dir={tmp_path}/run", "--num-workers", "2"], cwd=REPO,
-                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+                           f"logging.dir={tmp_path}/run", "--num-workers", "2", "--address", cluster[0]],
+                          cwd=REPO, env={**cpu_env(), "RAY_AUTH_MODE": "disabled"}, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
