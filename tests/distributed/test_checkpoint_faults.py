@@ -124,18 +124,20 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A rank really dies (SIGKILL) inside the second save: after its shard is written but before
     the commit, or after the commit but before ``latest`` moved. ``latest`` still names the first
     checkpoint and the run resumes from it to the same losses as an uninterrupted run. (One
-    uninterrupted run and one first save serve both crash points.)"""
+    uninterrupted run serves both crash points: its losses, and its first checkpoint as what the
+    crashed runs start from.)"""
     import shutil
 
     args = _args(tmp_path, "training.iters=6", "parallel.zero_stage=1")
-    check(run_pretrain([*args, f"logging.dir={tmp_path}/full"], nproc=2))
+    check(run_pretrain([*args, f"logging.dir={tmp_path}/full", f"checkpoint.dir={tmp_path}/ck-full",
+                        "checkpoint.save_interval=2", "checkpoint.keep_last=0"], nproc=2))
     want = _records(tmp_path / "full", 3)
-    first = [c for c in args if c != "training.iters=6"] + ["training.iters=2"]
-    check(run_pretrain([*first, f"checkpoint.dir={tmp_path}/ck-first", "checkpoint.save_interval=2",
-                        f"logging.dir={tmp_path}/first"], nproc=2))
     for n, crash in enumerate(["after_rank_file:1", "before_latest"]):
         ck_dir = tmp_path / f"ck{n}"
-        shutil.copytree(tmp_path / "ck-first", ck_dir)
+        # As the uninterrupted run was right after its first save.
+        shutil.copytree(tmp_path / "ck-full", ck_dir, ignore=shutil.ignore_patterns("step_00000004",
+                                                                                  "step_00000006"))
+        (ck_dir / "latest").write_text("step_00000002\n")
         ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}"]
