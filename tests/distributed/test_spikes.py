@@ -227,16 +227,17 @@ def test_rollbacks_exhausted_stop_the_run(tmp_path):
 
 
 def test_resumed_run_writes_the_same_spike_log(tmp_path):
-    # Spikes at steps 41 and 48; the checkpoint at 45; killed once the spike at 48 is logged.
-    bad = [40, 47]
+    # Spikes at steps 21 and 28; the checkpoint at 25; killed once the spike at 28 is logged.
+    # (A detector warmed up over 15 steps, with a window of 10.)
+    bad = [20, 27]
     env = {"FAULT_BAD_SAMPLES": ",".join(f"{s * GB}:{(s + 1) * GB}" for s in bad)}
-    common = ["training.iters=50", "checkpoint.save_interval=45"]
+    common = ["training.iters=30", "checkpoint.save_interval=25", "spikes.warmup_steps=15", "spikes.window=10"]
     full = _args(tmp_path, *common, f"checkpoint.dir={tmp_path}/ck-full", f"logging.dir={tmp_path}/full")
     check(run_pretrain(full, env=env))
-    assert [e["step"] for e in _events(tmp_path / "full")] == [41, 48]
+    assert [e["step"] for e in _events(tmp_path / "full")] == [21, 28]
     part = _args(tmp_path, *common, f"checkpoint.dir={tmp_path}/ck", f"logging.dir={tmp_path}/part")
-    run_pretrain_and_kill(part, 1, "spike at step 48", env=env)
-    assert [e["step"] for e in _events(tmp_path / "part")] == [41, 48]
+    run_pretrain_and_kill(part, 1, "spike at step 28", env=env)
+    assert [e["step"] for e in _events(tmp_path / "part")] == [21, 28]
     check(run_pretrain(part, env=env))
     assert (tmp_path / "part/spikes.jsonl").read_text() == (tmp_path / "full/spikes.jsonl").read_text()
 
