@@ -231,7 +231,8 @@ def test_resumed_run_writes_the_same_spike_log(tmp_path):
     # (A detector warmed up over 15 steps, with a window of 10.)
     bad = [20, 27]
     env = {"FAULT_BAD_SAMPLES": ",".join(f"{s * GB}:{(s + 1) * GB}" for s in bad)}
-    common = ["training.iters=30", "checkpoint.save_interval=25", "spikes.warmup_steps=15", "spikes.window=10"]
+    common = ["training.iters=30", "checkpoint.save_interval=25", "spikes.warmup_steps=15",
+              "spikes.window=10"]
     full = _args(tmp_path, *common, f"checkpoint.dir={tmp_path}/ck-full", f"logging.dir={tmp_path}/full")
     check(run_pretrain(full, env=env))
     assert [e["step"] for e in _events(tmp_path / "full")] == [21, 28]
