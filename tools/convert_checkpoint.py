@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.checkpoint.convert import export_hf, import_hf  # noqa: E402
 from megatron_lite.checkpoint.store import CheckpointError  # noqa: E402
+from megatron_lite.data.tokenizers import is_hub_id  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,30 +29,55 @@ def main(argv: list[str] | None = None) -> int:
     way.add_argument("--to", choices=["hf"], help="checkpoint -> Hugging Face directory")
     way.add_argument("--from", dest="source", choices=["hf"],
                      help="Hugging Face directory (or Hub id, where the network allows) -> checkpoint")
-    p.add_argument("input", type=Path)
-    p.add_argument("output", type=Path)
+    p.add_argument("input", type=Path,
+                   help="--to hf: a checkpoint step directory, or a checkpoint.dir (its 'latest'); "
+                        "--from hf: a Hugging Face model directory or Hub id (ORG/NAME)")
+    p.add_argument("output", type=Path,
+                   help="--to hf: the export directory (new or empty); --from hf: a new checkpoint.dir")
     p.add_argument("--tokenizer", type=Path, help="HF tokenizer directory to copy into the export")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to hf: replace the files of an earlier export in OUTPUT")
     a = p.parse_args(argv)
+    problem = _output_problem(a)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if a.source and not a.input.exists() and not is_hub_id(str(a.input)):
+        print(f"error: {a.input} does not exist (a local Hugging Face model directory; a Hub id "
+              "is written ORG/NAME)", file=sys.stderr)
+        return 2
     try:
-        if a.output.exists() and not a.output.is_dir():
-            raise ValueError(f"{a.output} exists and is not a directory; give a new or existing "
-                             "directory as the output")
         if a.to:
             # export_hf raises unless the files it wrote are there: "wrote" is never said of
             # nothing.
             out = export_hf(a.input, a.output, a.tokenizer, log=lambda m: print(m, file=sys.stderr))
             print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
         else:
-            if a.output.exists() and any(a.output.iterdir()):
-                raise ValueError(f"{a.output} is not empty; give a new checkpoint directory")
             out = import_hf(a.input, a.output)
             print(f"wrote {out}; train from it with checkpoint.dir={a.output}")
     except (CheckpointError, FileNotFoundError, OSError, ValueError) as e:
         # One line: transformers' errors (a Hub id without network, a gated model) span several.
-        print(f"error: {a.input}: {' '.join(str(e).split())}", file=sys.stderr)
+        message = " ".join(str(e).split())
+        print(f"error: {message if str(a.input) in message else f'{a.input}: {message}'}", file=sys.stderr)
         return 2
     return 0
 
+
+def _output_problem(a: argparse.Namespace) -> str | None:
+    """Why OUTPUT cannot be written (before anything is read): not a directory, or holding files
+    that would be overwritten (an earlier export: only with --overwrite; a checkpoint: never)."""
+    if not a.output.exists():
+        return None
+    if not a.output.is_dir():
+        return f"output {a.output} exists and is not a directory; give a new or empty directory"
+    if not any(a.output.iterdir()):
+        return None
+    if a.source:
+        return f"output {a.output} is not empty; give a new checkpoint directory"
+    if not a.overwrite:
+        return (f"output {a.output} is not empty; give a new directory, or --overwrite to replace an "
+                "earlier export there")
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -75,30 +75,51 @@ def lint(ds: IndexedDataset, vocab_size: int | None, separators: list[int]) -> l
     return problems
 
 
+def _ids(ds: IndexedDataset, command: str, index: int, seq_length: int) -> np.ndarray:
+    """The token ids of document ``index`` or of stream window ``index``; IndexError naming the
+    range when there is no such one."""
+    if command == "doc":
+        if not 0 <= index < len(ds):
+            raise IndexError(f"document {index} does not exist: {ds.prefix} has {len(ds):,} document(s) "
+                             f"(0..{len(ds) - 1})")
+        return np.asarray(ds[index])
+    windows = max(0, (ds.n_tokens - 1) // seq_length)
+    if not 0 <= index < windows:
+        raise IndexError(f"sample {index} does not exist: {ds.prefix} has {windows:,} windows of "
+                         f"{seq_length} tokens (0..{windows - 1}; --seq-length sets their length)")
+    start = index * seq_length
+    return np.asarray(ds.tokens[start:start + seq_length + 1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prefix")
     p.add_argument("command", choices=["stats", "doc", "sample", "lint"])
-    p.add_argument("index", nargs="?", type=int, default=0)
-    p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"])
-    p.add_argument("--tokenizer-model")
+    p.add_argument("index", nargs="?", type=int, default=None,
+                   help="doc: the document's number; sample: the window's number (from 0)")
+    p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"],
+                   help="decode token ids to text (doc, sample), check them against the vocabulary (lint)")
+    p.add_argument("--tokenizer-model", help="the tokenizer's file or directory")
     p.add_argument("--seq-length", type=int, default=1024, help="sample: window length")
     a = p.parse_args(argv)
+    if a.command in ("doc", "sample") and a.index is None:
+        p.error(f"{a.command} needs a number: inspect_data.py PREFIX {a.command} N")
+    if a.command == "lint" and not (a.tokenizer_type and a.tokenizer_model):
+        p.error("lint needs --tokenizer-type and --tokenizer-model: the vocabulary and separators "
+                "it checks the token ids against")
+    if bool(a.tokenizer_type) != bool(a.tokenizer_model):
+        p.error("--tokenizer-type and --tokenizer-model go together")
     try:
         ds = IndexedDataset(a.prefix)
-    except (FileNotFoundError, ValueError) as e:
+        tok = load_tokenizer(a.tokenizer_type, a.tokenizer_model) if a.tokenizer_model else None
+        ids = _ids(ds, a.command, a.index, a.seq_length) if a.command in ("doc", "sample") else None
+    except (FileNotFoundError, ValueError, IndexError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = load_tokenizer(a.tokenizer_type, a.tokenizer_model) if a.tokenizer_model else None
     if a.command == "stats":
         print("\n".join(stats(ds)))
         return 0
-    if a.command in ("doc", "sample"):
-        if a.command == "doc":
-            ids = ds[a.index]
-        else:
-            start = a.index * a.seq_length
-            ids = np.asarray(ds.tokens[start:start + a.seq_length + 1])
+    if ids is not None:
         print(tok.decode(ids.tolist()) if tok else " ".join(map(str, ids.tolist())))
         return 0
     separators = [t for t in ((tok.eod_id, tok.bos_id) if tok else ()) if t is not None]

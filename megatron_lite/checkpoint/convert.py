@@ -31,6 +31,9 @@ def resolve(path: Path) -> Path:
     """A checkpoint directory, or a checkpoint root (then the one ``latest`` names)."""
     if (path / store.MANIFEST).is_file():
         return path
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist (give a step directory, or a "
+                                f"checkpoint.dir whose '{store.LATEST}' names one)")
     latest = store.read_latest(path)
     if latest is None:
         raise store.CheckpointError(f"{path} is neither a checkpoint nor a directory with '{store.LATEST}'")

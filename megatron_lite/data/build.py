@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_lite.config.schema import DataConfig
-from megatron_lite.data.indexed import dataset_exists
+from megatron_lite.data.indexed import dataset_exists, datasets_under
 from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizers import CharTokenizer
 
@@ -27,6 +27,10 @@ def ensure_dataset(cfg: DataConfig, log=print) -> None:
     if dataset_exists(cfg.prefix):
         return
     if cfg.build_from is None:
+        meant = datasets_under(cfg.prefix)
+        if meant:  # the --output-prefix given to preprocess_data.py, which adds _KEY_document
+            raise FileNotFoundError(f"dataset '{cfg.prefix}.bin/.idx' does not exist; did you mean "
+                                    f"{' or '.join(f'data.prefix={m}' for m in meant[:3])}?")
         raise FileNotFoundError(
             f"dataset '{cfg.prefix}.bin/.idx' does not exist; build it with tools/preprocess_data.py "
             "or set data.build_from to the raw text to build it from")

@@ -35,6 +35,14 @@ def dataset_exists(prefix: str | Path) -> bool:
     return Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()
 
 
+def datasets_under(prefix: str | Path) -> list[str]:
+    """The datasets ``tools/preprocess_data.py --output-prefix PREFIX`` writes
+    (``PREFIX_{key}_document``) that exist: what a prefix naming no dataset most likely meant."""
+    base = Path(prefix)
+    return sorted(str(p)[:-len(".idx")] for p in base.parent.glob(f"{base.name}_*_document.idx")
+                  if dataset_exists(str(p)[:-len(".idx")]))
+
+
 class IndexedDatasetWriter:
     """Streams documents to ``PREFIX.bin.tmp``/``.idx.tmp``; ``finalize`` renames both into place,
     so an interrupted write never leaves a pair that looks valid."""
@@ -116,8 +124,9 @@ class IndexedDataset:
         self.prefix = str(prefix)
         if not dataset_exists(prefix):
             raise FileNotFoundError(
-                f"indexed dataset '{prefix}.bin/.idx' not found; build it with "
-                "tools/preprocess_data.py (or set data.build_from)")
+                f"indexed dataset '{prefix}.bin/.idx' not found; "
+                + (f"did you mean {' or '.join(datasets_under(prefix)[:3])}?" if datasets_under(prefix)
+                   else "build it with tools/preprocess_data.py (or set data.build_from)"))
         idx = np.memmap(f"{prefix}.idx", dtype=np.uint8, mode="r")
         if bytes(idx[:9]) != HEADER:
             raise ValueError(f"'{prefix}.idx' is not an MMIDIDX index (bad header)")

@@ -293,16 +293,30 @@ def load_tokenizer(kind: str, path: str | Path) -> Tokenizer:
     stored at ``path`` (for 'huggingface', also a Hub id)."""
     if not Path(path).exists() and not (kind == "huggingface" and is_hub_id(str(path))):
         raise FileNotFoundError(f"tokenizer '{path}' does not exist (data.tokenizer.model)")
-    if kind == "char":
-        return CharTokenizer(path)
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(path)
-    if kind == "huggingface":
-        return HFTokenizer(path)
-    if kind == "megatron-sentencepiece":
-        return MegatronSentencePieceTokenizer(path)
-    raise ValueError(f"tokenizer type '{kind}' is not one of 'char', 'sentencepiece', 'huggingface', "
-                     "'megatron-sentencepiece'")
+    kinds = {"char": CharTokenizer, "sentencepiece": SentencePieceTokenizer, "huggingface": HFTokenizer,
+             "megatron-sentencepiece": MegatronSentencePieceTokenizer}
+    if kind not in kinds:
+        raise ValueError(f"tokenizer type '{kind}' is not one of {', '.join(map(repr, kinds))}")
+    try:
+        return kinds[kind](path)
+    except Exception as e:  # JSON, protobuf, UTF-8 or tokenizers errors that name no file
+        if is_hub_id(str(path)) and not Path(path).exists():
+            raise  # the Hub client's own error (network, gated model) says more
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        where = _unreadable_file(Path(path))
+        raise ValueError(f"tokenizer '{path}' cannot be read as a {kind} tokenizer: {where}{reason}; "
+                         f"{_tokenizer_fix(kind, Path(path))}") from None
+
+
+def _tokenizer_fix(kind: str, path: Path) -> str:
+    """What to do about a tokenizer file that did not load as ``kind``: the type its name says
+    it is, where that differs, else to replace the file."""
+    looks = ("huggingface" if path.is_dir() else "sentencepiece" if path.suffix == ".model"
+             else "char" if path.suffix == ".json" else None)
+    if looks and looks != kind and not (looks == "sentencepiece" and kind == "megatron-sentencepiece"):
+        return (f"it looks like a {looks} tokenizer: set data.tokenizer.type={looks} "
+                f"(--tokenizer-type {looks} for the tools)")
+    return "save it again, or point data.tokenizer.model (--tokenizer-model) at a working copy"
 
 
 def vocab_size_offline(kind: str, path: str | Path, stated: int | None) -> int:
@@ -314,13 +328,7 @@ def vocab_size_offline(kind: str, path: str | Path, stated: int | None) -> int:
     none of them gives the size; ValueError (one line, naming the file) when the tokenizer on
     disk cannot be read."""
     if Path(path).exists():
-        try:
-            return load_tokenizer(kind, path).vocab_size
-        except Exception as e:  # JSON, protobuf or tokenizers errors that name no file
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
-            raise ValueError(f"tokenizer '{path}' (data.tokenizer.model) cannot be read: "
-                             f"{_unreadable_file(Path(path))}{reason}; save it again, or point "
-                             "data.tokenizer.model at a working copy") from None
+        return load_tokenizer(kind, path).vocab_size
     if stated is not None:
         return stated
     fix = "set data.tokenizer.vocab_size=N (or model.vocab_size=N)"

@@ -1,0 +1,94 @@
+"""A user's mistake with a tool is one line naming the problem and the fix, with exit status 2
+(usage, bad input), never a traceback: each mistake driven through the tool's command line
+(its ``main(argv)``, in this process: the same parsing and the same messages)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_lite.data.indexed import IndexedDatasetWriter
+from megatron_lite.data.tokenizers import CharTokenizer
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """A two-document jsonl corpus, its char vocabulary, a dataset of it under the name
+    preprocess_data.py gives ``--output-prefix corpus`` and a file that is no char vocabulary."""
+    d = tmp_path_factory.mktemp("tool-errors")
+    texts = ["to be or not to be", "that is the question"]
+    (d / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = CharTokenizer.build("".join(texts), d / "chars.json")
+    w = IndexedDatasetWriter(d / "corpus_text_document", np.uint16)
+    w.add_documents([tok.encode(t) for t in texts])
+    w.finalize()
+    (d / "sp.model").write_bytes(b"\x0a\x80\x01binary protobuf")
+    return d
+
+
+def _run(tool: str, argv: list[str], capsys) -> tuple[int, list[str]]:
+    """(exit status, the non-empty lines on stderr) of tools/TOOL.py with ``argv``."""
+    main = importlib.import_module(f"tools.{tool}").main
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's usage errors
+        status = e.code
+    err = capsys.readouterr().err
+    return status, [line for line in err.splitlines() if line.strip()]
+
+
+CASES = [
+    ("train_tokenizer", ["--input", "{d}/missing.jsonl", "--output", "{d}/out/sp"],
+     "error: --input {d}/missing.jsonl does not exist"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--json-key", "txt", "--output", "{d}/out/sp"],
+     "error: {d}/corpus.jsonl line 1 has no key 'txt' (its keys: 'text'); pass --json-key KEY"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--vocab-size", "-5", "--output", "{d}/out/sp"],
+     "argument --vocab-size: -5: must be at least 1"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--vocab-size", "5000", "--output", "{d}/out/sp"],
+     "error: sentencepiece refused: "),
+    ("inspect_data", ["{d}/corpus_text_document", "doc", "999"],
+     "error: document 999 does not exist: {d}/corpus_text_document has 2 document(s) (0..1)"),
+    ("inspect_data", ["{d}/corpus_text_document", "sample", "99", "--seq-length", "8"],
+     "error: sample 99 does not exist: {d}/corpus_text_document has 4 windows of 8 tokens"),
+    ("inspect_data", ["{d}/corpus_text_document", "doc"], "doc needs a number: inspect_data.py PREFIX doc N"),
+    ("inspect_data", ["{d}/corpus_text_document", "lint"],
+     "lint needs --tokenizer-type and --tokenizer-model"),
+    ("inspect_data", ["{d}/corpus", "stats"], "did you mean {d}/corpus_text_document?"),
+    ("inspect_data", ["{d}/corpus_text_document", "doc", "0", "--tokenizer-type", "char",
+                      "--tokenizer-model", "{d}/sp.model"],
+     "error: tokenizer '{d}/sp.model' cannot be read as a char tokenizer: {d}/sp.model: "),
+    ("convert_checkpoint", ["--from", "hf", "/nonexistent", "{d}/imported"],
+     "error: /nonexistent does not exist (a local Hugging Face model directory"),
+    ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}/export"],
+     "error: checkpoint {d}/no-checkpoint does not exist"),
+    ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}"],
+     "error: output {d} is not empty; give a new directory, or --overwrite"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, says", CASES, ids=[f"{t}-{i}" for i, (t, _, _) in enumerate(CASES)])
+def test_a_mistake_is_one_line_with_status_2(files, capsys, tool, argv, says):
+    status, lines = _run(tool, [a.format(d=files) for a in argv], capsys)
+    assert status == 2, lines
+    assert says.format(d=files) in lines[-1], lines
+    assert not any("Traceback" in line for line in lines)
+    # argparse prints its usage above the line; the tools' own errors are the only line.
+    assert len(lines) == 1 or lines[0].startswith("usage:"), lines
+
+
+def test_a_char_tokenizer_given_a_sentencepiece_model_names_the_type_to_use(files, capsys):
+    status, (line,) = _run("inspect_data", [files / "corpus_text_document", "doc", "0", "--tokenizer-type",
+                                            "char", "--tokenizer-model", files / "sp.model"], capsys)
+    assert status == 2
+    assert "it looks like a sentencepiece tokenizer: set data.tokenizer.type=sentencepiece" in line
+
+
+def test_an_output_name_with_the_suffix_is_the_files_name(files, capsys):
+    """``--output chars.json`` writes chars.json, not chars.json.json."""
+    status, _ = _run("train_tokenizer", ["--input", files / "corpus.jsonl", "--type", "char",
+                                         "--output", files / "out" / "chars.json"], capsys)
+    assert status == 0 and sorted(p.name for p in (files / "out").iterdir()) == ["chars.json"]
