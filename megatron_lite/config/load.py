@@ -59,11 +59,27 @@ def _suggest(key: str, known: Iterable[str]) -> str:
     return f"; did you mean '{best}'?" if best else ""
 
 
+def _recipe_names(like: str | None = None) -> list[str]:
+    """The shipped recipes (``recipes/*.yaml`` of this checkout), or those whose name is close
+    to ``like``."""
+    shipped = sorted(Path(__file__).resolve().parents[2].glob("recipes/*.yaml"))
+    names = {p.stem: f"recipes/{p.name}" for p in shipped}
+    if like is None:
+        return list(names.values())
+    return [names[n] for n in difflib.get_close_matches(like, list(names), n=1, cutoff=0.6)]
+
+
 def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
     """A recipe's YAML merged over its ``base:`` chain (no schema applied yet)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([f"recipe file '{path}' does not exist"])
+        if not _seen and "=" in str(path) and not path.suffix == ".yaml":
+            raise ConfigError([f"the first argument is the recipe; '{path}' is an override: "
+                               f"python pretrain.py recipes/NAME.yaml {path} (the recipes are "
+                               f"{', '.join(_recipe_names())})"])
+        near = _recipe_names(path.stem)
+        raise ConfigError([f"recipe file '{path}' does not exist"
+                           + (f"; did you mean {near[0]}?" if near else "")])
     resolved = path.resolve()
     if resolved in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, resolved))

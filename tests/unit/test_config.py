@@ -170,3 +170,15 @@ def test_spike_settings_are_checked_together():
     assert "'spikes.policy' = 'rollback' reloads checkpoints: set 'checkpoint.dir'" in text
     assert "'spikes.window' = 0" in text and "'spikes.rollback.skip_batches' = -1" in text
     assert "'spikes.nonfinite_policy' = 'ignore'" in text and "'skip_step'" in text
+
+
+@pytest.mark.parametrize("first, says", [
+    ("training.iters=5", "the first argument is the recipe; 'training.iters=5' is an override: "
+                         "python pretrain.py recipes/NAME.yaml training.iters=5"),
+    ("recipes/shakespeare_char.yaml", "recipe file 'recipes/shakespeare_char.yaml' does not exist; "
+                                      "did you mean recipes/shakespeare-char.yaml?"),
+])
+def test_a_forgotten_or_misspelt_recipe_says_what_to_run(first, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(first, [])
+    assert says in str(e.value)
