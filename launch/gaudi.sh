@@ -16,10 +16,16 @@
 # may hold secrets (API keys): it is private (mktemp, mode 0600), written only for a real launch
 # and removed when this script exits.
 set -euo pipefail
+USAGE="usage: launch/gaudi.sh [--dry-run] RECIPE [overrides]   (--help: the settings)"
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # this header, as text
+    sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0
+fi
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 cd "$(dirname "$0")/.."
-RECIPE="${1:?usage: launch/gaudi.sh [--dry-run] RECIPE [overrides]}"; shift
+[[ $# -ge 1 ]] || { echo "$USAGE" >&2; exit 2; }
+[[ "$1" != -* ]] || { echo "error: unknown option $1; $USAGE" >&2; exit 2; }
+RECIPE="$1"; shift
 PYTHON="${PYTHON:-python}"
 HPUS="${HPUS_PER_NODE:-8}"
 [[ "$HPUS" =~ ^[1-9][0-9]*$ ]] || { echo "error: HPUS_PER_NODE=$HPUS: give the HPUs per node, a positive integer" >&2; exit 2; }

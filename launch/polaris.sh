@@ -43,10 +43,14 @@
 #   PYTORCH_CUDA_ALLOC_CONF  PyTorch's CUDA allocator settings, kept when set (or when
 #                          PYTORCH_ALLOC_CONF is); default expandable_segments:True
 set -euo pipefail
+ENV_AT_START=$(env | sort)  # what this script adds or changes is printed before the launch
 # The walltime left is read from PBS now: exit_duration_mins counts from this moment, so that
 # the recipe check, imports and model build before training are counted too.
 export LAUNCH_START_EPOCH
 LAUNCH_START_EPOCH=$(date +%s)
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # this header, as text
+    sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0
+fi
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
 cd "${PBS_O_WORKDIR:-$(dirname "$0")/..}"
@@ -57,7 +61,7 @@ PROGRAM=pretrain.py
 if [[ "${CHECK:-0}" == 1 ]]; then
     PROGRAM=tools/check_dist.py  # the recipe is optional: its layout's groups are checked
 else
-    [[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]" >&2; exit 2; }
+    [[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]   (--help: the settings)" >&2; exit 2; }
 fi
 OVERRIDES_ARR=("$@")
 if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
@@ -241,6 +245,8 @@ CMD=("${MPI[@]}" "${PYTHON:-python}" "$PROGRAM" ${RECIPE:+"$RECIPE"} "${OVERRIDE
 INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
 [[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
 printf '%s\n' "$NCCL_INFO" "$PLACE_INFO" "$GPU_INFO" "$ALLOC_INFO" "$INFO"
+echo "environment set for the ranks:"
+comm -13 <(echo "$ENV_AT_START") <(env | sort) | sed 's/^/  /'
 QUOTED=$(printf '%q ' "${CMD[@]}")  # as a shell would need it: each argument's bounds visible
 echo "${QUOTED% }"
 [[ $DRY_RUN -eq 1 ]] && exit 0

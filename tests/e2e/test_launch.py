@@ -356,6 +356,31 @@ def test_gaudi_refuses_a_missing_hostfile_and_a_bad_hpu_count(tmp_path):
 
 
 
+@pytest.mark.parametrize("script", ["polaris.sh", "gaudi.sh"])
+def test_help_shows_the_settings_and_a_missing_recipe_is_the_usage_line(script):
+    helped = _launch(script, "--help")
+    assert helped.returncode == 0 and "Settings (environment):" in helped.stdout, helped.stderr
+    assert "#" not in helped.stdout.splitlines()[0] and "--dry-run" in helped.stdout
+    usage = f"usage: launch/{script} [--dry-run] RECIPE [overrides]   (--help: the settings)"
+    for args, says in (((), usage), (("--bogus",), "error: unknown option --bogus; usage:")):
+        if script == "polaris.sh" and args:
+            continue  # polaris.sh takes CHECK=1's options through to tools/check_dist.py
+        out = _launch(script, *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(says), line
+
+
+def test_polaris_dry_run_prints_the_environment_it_sets():
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    env = lines[lines.index("environment set for the ranks:") + 1:-1]
+    names = {line.strip().split("=", 1)[0] for line in env}
+    wanted = {"MASTER_ADDR", "MASTER_PORT", "FI_CXI_DISABLE_HOST_REGISTER", "PYTORCH_CUDA_ALLOC_CONF"}
+    assert wanted <= names, env
+
+
 @pytest.mark.parametrize("content", ["", "\n\n"])
 def test_an_empty_node_file_or_hostfile_is_one_line(tmp_path, content):
     """A node file that names no host: one line naming it, exit 2 (a count of 0 once ran into
