@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Preprocessing speed against its limit: the tokenizer's own encode of the same documents.
+r"""Preprocessing speed against its limit: the tokenizer's own encode of the same documents.
 
 For sentencepiece (BPE trained here) and a Hugging Face fast tokenizer (GPT-2 style byte-level
 BPE files made here), at each worker count W, on one generated jsonl corpus:

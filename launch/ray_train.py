@@ -5,16 +5,6 @@ usage: python launch/ray_train.py RECIPE.yaml [dotted.key=value ...] --num-worke
            [--gpu | --hpu] [--address ADDR] [--max-failures K] [--cpus-per-worker C]
            [--report-interval S]
 
-  --num-workers N     training processes (one per GPU / HPU)
-  --gpu, --hpu        train on GPUs (NCCL) or Gaudi HPUs (HCCL); default: CPU (gloo)
-  --address ADDR      join this Ray cluster ("auto": the one this node belongs to); default:
-                      start a cluster of this machine alone, on loopback
-  --max-failures K    when a worker process or node dies, restart the workers up to K times;
-                      each restart resumes from the newest checkpoint in checkpoint.dir
-  --cpus-per-worker C CPUs Ray reserves for each worker (default 1)
-  --report-interval S report to Ray (ray.train.report) the training records of every S-th step
-                      (default: every record, training.log_interval)
-
 The ranks meet on the node Ray placed the first worker on: at MASTER_ADDR, else
 distributed.master_addr, when that is an address of this node (otherwise ignored with a
 warning), else at loopback when every worker is on that node, else at the address the node
@@ -37,18 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(usage=__doc__.split("\n\n")[1].strip().removeprefix("usage: "),
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--num-workers", type=int, required=True)
+    head, usage, notes = __doc__.split("\n\n", 2)
+    p = argparse.ArgumentParser(usage=usage.strip().removeprefix("usage: "), description=head,
+                                epilog=notes, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="the recipe (recipes/NAME.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, as for pretrain.py")
+    p.add_argument("--num-workers", type=int, required=True, metavar="N",
+                   help="training processes (one per GPU / HPU)")
     device = p.add_mutually_exclusive_group()
-    device.add_argument("--gpu", action="store_true")
-    device.add_argument("--hpu", action="store_true")
-    p.add_argument("--address")
-    p.add_argument("--max-failures", type=int, default=0)
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    p.add_argument("--report-interval", type=int)
+    device.add_argument("--gpu", action="store_true", help="train on GPUs (NCCL); default: CPU (gloo)")
+    device.add_argument("--hpu", action="store_true", help="train on Gaudi HPUs (HCCL)")
+    p.add_argument("--address", metavar="ADDR",
+                   help='join this Ray cluster ("auto": the one this node belongs to); default: start '
+                        "a cluster of this machine alone, on loopback")
+    p.add_argument("--max-failures", type=int, default=0, metavar="K",
+                   help="when a worker process or node dies, restart the workers up to K times; each "
+                        "restart resumes from the newest checkpoint in checkpoint.dir (default 0)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C",
+                   help="CPUs Ray reserves for each worker (default 1)")
+    p.add_argument("--report-interval", type=int, metavar="S",
+                   help="report to Ray (ray.train.report) the training records of every S-th step "
+                        "(default: every record, training.log_interval)")
     args = p.parse_intermixed_args(argv)
     if args.num_workers < 1:
         p.error(f"--num-workers {args.num_workers}: must be at least 1")

@@ -69,9 +69,11 @@ class CheckFailed(RuntimeError):
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="check_dist.py", add_help=False)
     parser.add_argument("args", nargs="*", help="RECIPE.yaml and dotted.key=value overrides")
-    parser.add_argument("--size-mb", type=float, default=None)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--size-mb", type=float, default=None,
+                        help="message size per collective and rank (default 64; 1 on a CPU)")
+    parser.add_argument("--iters", type=int, default=5, help="timed repetitions per collective")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="how long a rank may be missing or a collective may take")
     # The DeepSpeed launcher (and torch.distributed.launch) pass the local rank as an option;
     # detect() reads it from the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -49,7 +49,8 @@ def fetch(output: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", type=Path, default=Path("data/quickstart/shakespeare_works.jsonl"))
+    p.add_argument("--output", type=Path, default=Path("data/quickstart/shakespeare_works.jsonl"),
+                   help="the jsonl file to write (default: %(default)s)")
     args = p.parse_args(argv)
     if args.output.is_file():
         print(f"{args.output} exists; not fetching again")

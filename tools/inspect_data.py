@@ -93,8 +93,9 @@ def _ids(ds: IndexedDataset, command: str, index: int, seq_length: int) -> np.nd
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prefix")
-    p.add_argument("command", choices=["stats", "doc", "sample", "lint"])
+    p.add_argument("prefix", help="the dataset: PREFIX.bin and PREFIX.idx")
+    p.add_argument("command", choices=["stats", "doc", "sample", "lint"],
+                   help="what to show: counts and lengths, a document, a training window, problems")
     p.add_argument("index", nargs="?", type=int, default=None,
                    help="doc: the document's number; sample: the window's number (from 0)")
     p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Concatenate several indexed datasets (.bin/.idx) into one, in the order given.
+r"""Concatenate several indexed datasets (.bin/.idx) into one, in the order given.
 
     python tools/merge_datasets.py --inputs data/a_text_document data/b_text_document \
         --output-prefix data/ab_text_document

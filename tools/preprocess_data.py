@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize jsonl / parquet / plain-text files or Hugging Face datasets into Megatron-LM indexed
+r"""Tokenize jsonl / parquet / plain-text files or Hugging Face datasets into Megatron-LM indexed
 datasets (.bin/.idx).
 
 Example:
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stream hf: datasets from the Hub instead of downloading them first")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract")
-    p.add_argument("--tokenizer-type", required=True, choices=sorted(TYPES))
+    p.add_argument("--tokenizer-type", required=True, choices=sorted(TYPES),
+                   help="the kind of --tokenizer-model")
     p.add_argument("--tokenizer-model", required=True,
                    help="sentencepiece .model, Hugging Face directory, or char vocabulary JSON")
     p.add_argument("--append-eod", action="store_true",

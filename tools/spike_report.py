@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Report the loss spikes, non-finite steps and rollbacks of a run.
+r"""Report the loss spikes, non-finite steps and rollbacks of a run.
 
     python tools/spike_report.py RUN_DIR                 # table of events (RUN_DIR/spikes.jsonl)
     python tools/spike_report.py RUN_DIR --text          # + decoded text of the spiking samples
@@ -126,7 +126,7 @@ def plot(run_dir: Path, events: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help="the run's logging.dir (its spikes.jsonl and metrics.jsonl)")
     p.add_argument("--text", action="store_true", help="decode the samples of each event")
     p.add_argument("--samples", type=int, default=3, help="samples decoded per event (default 3)")
     p.add_argument("--chars", type=int, default=300, help="characters shown per sample (default 300)")

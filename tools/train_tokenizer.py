@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a tokenizer on a corpus: sentencepiece (BPE or unigram) or a char-level vocabulary.
+r"""Train a tokenizer on a corpus: sentencepiece (BPE or unigram) or a char-level vocabulary.
 
 Example:
     python tools/train_tokenizer.py --input data/works.jsonl --type sentencepiece \
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl or plain-text files")
     p.add_argument("--json-key", default="text", help="the key of each .jsonl document's text")
-    p.add_argument("--type", choices=["sentencepiece", "char"], default="sentencepiece")
+    p.add_argument("--type", choices=["sentencepiece", "char"], default="sentencepiece",
+                   help="subword (sentencepiece) or one token per character (char)")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
                    help="sentencepiece algorithm")
     p.add_argument("--vocab-size", type=_positive, default=4096, help="sentencepiece vocabulary size")

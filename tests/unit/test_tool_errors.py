@@ -92,3 +92,36 @@ def test_an_output_name_with_the_suffix_is_the_files_name(files, capsys):
     status, _ = _run("train_tokenizer", ["--input", files / "corpus.jsonl", "--type", "char",
                                          "--output", files / "out" / "chars.json"], capsys)
     assert status == 0 and sorted(p.name for p in (files / "out").iterdir()) == ["chars.json"]
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+TOOLS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "tools").glob("*.py")
+               if p.stem != "__init__") + ["launch.ray_train"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_option_of_every_tool_says_what_it_does(tool, monkeypatch):
+    """--help explains each argument, and the examples in a tool's description keep their line
+    continuations (a backslash at a line's end inside a plain docstring joins the lines)."""
+    import argparse
+
+    def caught(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_intermixed_args", caught)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    module = importlib.import_module(tool if "." in tool else f"tools.{tool}")
+    with pytest.raises(_Parsed) as e:
+        module.main([])
+    parser = e.value.parser
+    silent = [a.option_strings or a.dest for a in parser._actions
+              if a.help is None and a.help is not argparse.SUPPRESS]
+    assert not silent, f"{tool}: no help for {silent}"
+    source = Path(module.__file__).read_text()
+    if " \\\n" in source.split('"""')[1]:
+        assert " \\\n" in (module.__doc__ or ""), f"{tool}: its docstring's line continuations are lost"
