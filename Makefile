@@ -1,6 +1,7 @@
 # make quickstart   install, fetch the sample corpus, build tokenizer + dataset, train, sample
 # make test         install and run the whole test suite (what CI runs), then its torch- and
 #                   DeepSpeed-facing part on the oldest releases setup.py admits (floor-test)
+# make lint         ruff over the whole repository (part of make test)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -68,10 +69,12 @@ floor-test: $(FLOOR_VENV)/.installed
 	$(FLOOR_PY) -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -W ignore::DeprecationWarning \
 		@tests/floor/tests.txt
 
-test: install
-	$(PY) -m ruff check .
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 	$(MAKE) floor-test
+
+lint: install
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) data runs
