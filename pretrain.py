@@ -9,7 +9,8 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
   --get KEY           print one resolved value (e.g. --get training.hpu_mode) and exit
   --dry-run           build the model on the meta device, print parameters and FLOPs/token, exit
   --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
-                      does not fit); with --world-size N (default: one node), --gpus-per-node G
+                      does not fit); with --world-size N (default: one node, or one model replica
+                      when the global batch does not divide over a node), --gpus-per-node G
                       (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3;
                       default A100-40GB), --mfu X (default 0.4), --host-memory-gb GB (a node's
                       host memory, for offload; default: a typical node for the device)
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     if "--plan" in flags:
-        return _plan(cfg, values, suggest="--suggest" in flags)
+        return _plan(cfg, values, suggest="--suggest" in flags, recipe=args[0])
 
     # Habana's bridge reads PT_HPU_LAZY_MODE once, when it is imported, and since torch 2.5
     # `import torch` imports it (device autoload): the recipe's mode goes into the environment
@@ -130,7 +131,7 @@ def _take_values(argv: list[str], options: dict) -> tuple[list[str], dict]:
     return rest, values
 
 
-def _plan(cfg, values: dict, suggest: bool = False) -> int:
+def _plan(cfg, values: dict, suggest: bool = False, recipe: str = "RECIPE") -> int:
     from megatron_lite.distributed import TopologyError
     from megatron_lite.planner import plan_report, suggest_report
 
@@ -158,7 +159,8 @@ def _plan(cfg, values: dict, suggest: bool = False) -> int:
             return 2
     try:
         if suggest:
-            lines, fits = suggest_report(cfg, values.get("--world-size", per_node), per_node, device, mfu)
+            lines, fits = suggest_report(cfg, values.get("--world-size", per_node), per_node, device, mfu,
+                                         recipe=recipe)
         else:
             lines, fits = plan_report(cfg, world, per_node, device, mfu, values.get("--host-memory-gb"))
     except (TopologyError, ValueError) as e:

@@ -110,7 +110,7 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
 
 
 def suggest_report(cfg: Config, world_size: int, gpus_per_node: int, device: str, mfu: float,
-                   top: int = 10) -> tuple[list[str], bool]:
+                   top: int = 10, recipe: str = "RECIPE") -> tuple[list[str], bool]:
     """``--plan --suggest``: the fastest layouts that fit (``planner/suggest.py``), as lines."""
     from megatron_lite.planner.suggest import HEADROOM, suggest
 
@@ -136,6 +136,6 @@ def suggest_report(cfg: Config, world_size: int, gpus_per_node: int, device: str
         costs = ", ".join(f"{k} {v:.3g}" for k, v in sorted(s.parts.items(), key=lambda kv: -kv[1])[:3])
         lines.append(f"  {i:>2} {s.seconds:8.3g} {s.seconds / fastest:7.2f} {s.plan.total / GB:6.1f}  "
                      f"{keys}; {costs}")
-    lines.append(f"({len(found)} layouts fit; run the first with: pretrain.py RECIPE "
+    lines.append(f"({len(found)} layouts fit; run the first with: python pretrain.py {recipe} "
                  f"{' '.join(found[0].overrides)})")
     return lines, True

@@ -309,6 +309,7 @@ def test_suggest_ranks_the_layouts_that_fit():
 def test_plan_suggest_on_the_command_line():
     out = _plan("recipes/llama2-7b.yaml", "--suggest", "--world-size", "8")
     assert out.returncode == 0, out.stderr
-    assert "fastest first" in out.stdout and "run the first with: pretrain.py RECIPE" in out.stdout
+    assert "fastest first" in out.stdout
+    assert "run the first with: python pretrain.py recipes/llama2-7b.yaml parallel." in out.stdout
     out = _plan("recipes/llama2-7b.yaml", "model.n_layers=400", "--suggest", "--world-size", "1")
     assert out.returncode == 1 and "none fits" in out.stdout
