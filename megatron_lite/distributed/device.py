@@ -117,7 +117,7 @@ def retain_freed_host_memory() -> bool:
     only; True if applied). By default glibc serves large blocks with mmap and trims the heap
     after frees, so every step's activations and gradients arrive in fresh pages: about 10,000
     page faults per step for a 5M-parameter model on CPU, 5-10% of its step time (measured in
-    docs/benchmarks.md). The training loop's working set is the same every step, so keeping it
+    docs/benchmarks-history.md). The training loop's working set is the same every step, so keeping it
     costs no more memory than the first step's peak. Set by hand because the allocators that do
     this by default (jemalloc, tcmalloc) must be preloaded before the interpreter starts."""
     import ctypes

@@ -5,7 +5,7 @@ in fp32: 4 GiB for 8K tokens of a 128K vocabulary) and then a gradient of the sa
 runs a separate log-softmax backward. Here rows are processed in chunks: each chunk's logits
 become its softmax gradient in place, which is immediately multiplied into the gradients of the
 hidden states and the weight. Peak memory is one chunk of logits, and the step measured 8%
-faster on CPU (docs/benchmarks.md). Fused kernels of this (Liger's) exist only for Triton GPUs.
+faster on CPU (docs/benchmarks-history.md). Fused kernels of this (Liger's) exist only for Triton GPUs.
 
 The gradients are computed in the forward pass, so this path is taken only when a backward
 will follow (grad mode on); evaluation uses the chunked loss alone.
