@@ -61,7 +61,9 @@ class DataConfig:
     it is node-local, local rank 0 of every node builds them."""
     build_from: Optional[str] = None
     """Raw text (a ``.txt`` file: one document; or ``.jsonl`` with a ``text`` key) to build the
-    dataset (and, for ``char``, the vocabulary) from when ``prefix`` does not exist yet."""
+    dataset (and, for ``char``, the vocabulary) from when ``prefix`` does not exist yet. An
+    ``http(s)://`` URL is downloaded once, into the folder of ``prefix`` under the URL's file
+    name, and built from there."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """How text becomes tokens."""
     seq_length: int = 1024

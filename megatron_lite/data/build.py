@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from megatron_lite.config.schema import DataConfig
@@ -10,6 +11,38 @@ from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizers import CharTokenizer
 
 SUFFIX = "_text_document"
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def fetched(url: str, folder: Path, log=print, timeout_s: float = 60.0) -> Path:
+    """``url`` downloaded into ``folder`` under its file name, once: a file already there is
+    used as it is. Written to a temporary name and renamed when complete, so an interrupted
+    download is never taken for the text. FileNotFoundError naming the URL and the way round it
+    (a compute node without the internet) when the download fails."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    name = Path(urllib.parse.urlparse(url).path).name or "build_from.txt"
+    dest = folder / name
+    if dest.is_file():
+        return dest
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(f".{name}.part")
+    log(f"downloading {url} to {dest}")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response, open(partial, "wb") as out:
+            shutil.copyfileobj(response, out)
+    except (OSError, urllib.error.URLError) as e:  # HTTPError is a URLError; both are OSErrors
+        partial.unlink(missing_ok=True)
+        raise FileNotFoundError(f"data.build_from: downloading {url} failed ({e}); download it "
+                                f"where the network allows, then set data.build_from=PATH (or put "
+                                f"it at {dest})") from None
+    partial.rename(dest)
+    return dest
 
 
 def ensure_dataset(cfg: DataConfig, log=print) -> None:
@@ -34,7 +67,8 @@ def ensure_dataset(cfg: DataConfig, log=print) -> None:
         raise FileNotFoundError(
             f"dataset '{cfg.prefix}.bin/.idx' does not exist; build it with tools/preprocess_data.py "
             "or set data.build_from to the raw text to build it from")
-    source = Path(cfg.build_from)
+    source = (fetched(cfg.build_from, Path(cfg.prefix).parent, log) if is_url(cfg.build_from)
+              else Path(cfg.build_from))
     if not source.is_file():
         raise FileNotFoundError(f"data.build_from: '{source}' does not exist")
     if not cfg.prefix.endswith(SUFFIX):
