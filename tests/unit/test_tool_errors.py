@@ -125,3 +125,24 @@ def test_every_option_of_every_tool_says_what_it_does(tool, monkeypatch):
     source = Path(module.__file__).read_text()
     if " \\\n" in source.split('"""')[1]:
         assert " \\\n" in (module.__doc__ or ""), f"{tool}: its docstring's line continuations are lost"
+
+
+def test_a_sentencepiece_output_named_like_the_model_file_is_that_file(files, capsys):
+    """``--output sp4.model`` writes sp4.model (and sp4.vocab), not sp4.model.model."""
+    status, _ = _run("train_tokenizer", ["--input", files / "corpus.jsonl", "--vocab-size", "280",
+                                         "--output", files / "sp4" / "sp4.model"], capsys)
+    assert status == 0 and sorted(p.name for p in (files / "sp4").iterdir()) == ["sp4.model", "sp4.vocab"]
+
+
+def test_a_prefix_given_as_preprocess_datas_output_prefix_names_the_dataset_it_meant(files):
+    """``data.prefix=data/quickstart/works`` (the --output-prefix value) points at
+    ``works_text_document``."""
+    from megatron_lite.config import load_config
+    from megatron_lite.data.build import ensure_dataset
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "recipes/quickstart.yaml", [
+        f"data.prefix={files}/corpus", "data.build_from=null", f"data.tokenizer.model={files}/chars.json"])
+    with pytest.raises(FileNotFoundError) as e:
+        ensure_dataset(cfg.data)
+    assert f"did you mean data.prefix={files}/corpus_text_document?" in str(e.value)
