@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,7 @@ def checkout(tmp_path_factory, sp_data) -> Path:
 def _env() -> dict[str, str]:
     env = cpu_env()
     # `python` is this environment's interpreter, as in an activated venv.
-    bin_dir = Path(os.environ.get("VIRTUAL_ENV", Path(shutil.which("python") or "python").parent))
-    env["PATH"] = os.pathsep.join([str(Path(__import__("sys").executable).parent), str(bin_dir), env["PATH"]])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     return env
 
 
