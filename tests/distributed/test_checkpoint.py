@@ -23,8 +23,9 @@ def _records(run_dir, first_step):
 
 
 # (Synchronous saves with one process and with tensor parallelism; data parallelism with ZeRO-1
-# is resumed from a background save in test_checkpoint_faults.py's SIGTERM test.) Dropout draws from the random state every step (under TP=2 the
-# attention's tensor-rank streams too): a resume that did not restore it would differ.
+# is resumed from a background save in test_checkpoint_faults.py's SIGTERM test.) Dropout draws
+# from the random state every step (under TP=2 the attention's tensor-rank streams too): a
+# resume that did not restore it would differ.
 # One process also evaluates and samples text every 2 steps (the samples after the resume are
 # the uninterrupted run's), in bf16: without ZeRO DeepSpeed steps fp32 copies of the weights,
 # which hold the Adam state and must be what is saved and restored.

@@ -121,7 +121,9 @@ def _check_report(run_dir, event):
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("zero, precision", [(0, "fp32"), (1, "fp32"), (0, "bf16"), (1, "bf16")])
+# (ZeRO-0 in fp32, torch's own AdamW, is test_step_syncs.py's NaN-on-rank-1 case, by the device and
+# by the host.)
+@pytest.mark.parametrize("zero, precision", [(1, "fp32"), (0, "bf16"), (1, "bf16")])
 def test_nan_on_one_rank_is_skipped_by_both(tmp_path, zero, precision):
     # Under bf16 DeepSpeed's own overflow check is off (engine.py): the gate alone skips.
     ck = tmp_path / "ck"
