@@ -69,6 +69,20 @@ def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def pretrain_main(args: list[str]) -> subprocess.CompletedProcess:
+    """``pretrain.py ARGS`` in this process, for what returns before any training (``--plan``,
+    usage errors): its exit status, stdout and stderr, without a process's start-up."""
+    import contextlib
+    import io
+
+    import pretrain
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = pretrain.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["pretrain.py", *args], status, out.getvalue(), err.getvalue())
+
+
 def run_pretrain_and_kill(args: list[str], nproc: int, marker: str, env: dict[str, str] | None = None) -> str:
     """Start pretrain.py, SIGKILL it (every process) as soon as ``marker`` is printed; returns
     the output up to there."""

@@ -34,10 +34,9 @@ LAYOUTS = {
     # each gathered on its own by ZeRO-3 (ZeRO-3 without tiles: the offload layout, and
     # tests/distributed/test_pretrain_layouts.py).
     "tp2xdp2-zero3-tile2": (4, ["parallel.tensor=2", "parallel.zero_stage=3", "parallel.tile_factor=2"]),
-    # 4D: Ulysses within each tensor rank's heads, and across pipeline stages; on 8 ranks all
-    # four kinds of model parallelism at once (Megatron sequence parallelism included). (One
+    # Ulysses across pipeline stages; and on 8 ranks all four kinds of model parallelism at once,
+    # Ulysses within each tensor rank's heads and Megatron sequence parallelism included. (One
     # 8-rank layout: each costs a minute of the suite on 2 cores.)
-    "tp2xulysses2": (4, ["parallel.tensor=2", "parallel.ulysses=2"]),
     "pp2xulysses2-zero1": (4, ["parallel.pipeline=2", "parallel.ulysses=2", "parallel.zero_stage=1",
                                "parallel.pipeline_partition=type:Block"]),
     "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",

@@ -16,6 +16,7 @@ from tests.conftest import (
     check,
     cpu_env,
     pretrain_command,
+    pretrain_main,
     read_metrics,
     run_pretrain,
 )
@@ -109,7 +110,7 @@ def test_plan_refuses_a_machine_that_cannot_be():
     """A negative world, no devices per node or an MFU of 4000% are mistakes, not plans."""
     for option, value in (("--world-size", "-8"), ("--gpus-per-node", "0"), ("--mfu", "40"),
                           ("--host-memory-gb", "0")):
-        proc = run_pretrain(["recipes/llama2-7b-polaris.yaml", "--plan", option, value])
+        proc = pretrain_main(["recipes/llama2-7b-polaris.yaml", "--plan", option, value])
         assert proc.returncode == 2, proc.stdout
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"error: {option} {value}: give "), line
@@ -155,7 +156,8 @@ def test_missing_dataset_is_a_one_line_error(tmp_path):
 def test_shakespeare_char_learns(tmp_path):
     """200 steps of the nanoGPT CPU configuration: a broken model stays above ~3.3 nats."""
     proc = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=200",
-                               "training.log_interval=20", "training.eval_interval=0"]))
+                               "training.log_interval=20", "training.eval_interval=0",
+                               "training.eval_iters=40", "training.sample_tokens=60"]))
     run = tmp_path / "run"
     records = read_metrics(run)
     train = [r for r in records if "loss" in r]

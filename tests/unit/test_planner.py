@@ -15,7 +15,7 @@ from megatron_lite.distributed.device import DEVICES, device_spec
 from megatron_lite.model import build_model, count_parameters, resolve_model
 from megatron_lite.planner import estimate, parameter_counts
 from megatron_lite.planner.estimate import loss_bytes, step_time
-from tests.conftest import RECIPE_ALLOCATION, REPO, _free_port, cpu_env
+from tests.conftest import RECIPE_ALLOCATION, REPO, _free_port, cpu_env, pretrain_main
 
 LLAMA2_7B = 6_738_415_616  # huggyllama/llama-7b
 
@@ -147,8 +147,7 @@ def test_device_names(name, key):
 
 
 def _plan(*args):
-    return subprocess.run([sys.executable, str(REPO / "pretrain.py"), *args, "--plan"], cwd=REPO,
-                          env=cpu_env(), capture_output=True, text=True, timeout=120)
+    return pretrain_main([*args, "--plan"])
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
