@@ -21,7 +21,11 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # this header, as text
     sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0
 fi
 DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+ARGS=()
+for arg in "$@"; do  # --dry-run anywhere (after the recipe too): never a real launch by mistake
+    if [[ "$arg" == "--dry-run" ]]; then DRY_RUN=1; else ARGS+=("$arg"); fi
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
 cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { echo "$USAGE" >&2; exit 2; }
 [[ "$1" != -* ]] || { echo "error: unknown option $1; $USAGE" >&2; exit 2; }

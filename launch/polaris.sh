@@ -52,8 +52,16 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # this header, as text
     sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0
 fi
 DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
+ARGS=()
+for arg in "$@"; do  # --dry-run anywhere (after the recipe too): never a real launch by mistake
+    if [[ "$arg" == "--dry-run" ]]; then DRY_RUN=1; else ARGS+=("$arg"); fi
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
 cd "${PBS_O_WORKDIR:-$(dirname "$0")/..}"
+if [[ ! -f pretrain.py ]]; then
+    echo "error: $PWD is not the repository's root (no pretrain.py there): run qsub from the repository's root (PBS_O_WORKDIR=${PBS_O_WORKDIR:-unset})" >&2
+    exit 2
+fi
 RECIPE="${RECIPE:-}"
 # The first argument is the recipe unless it is an override (k=v) or an option (CHECK=1's).
 if [[ $# -gt 0 && "$1" != -* && "$1" != *=* ]]; then RECIPE="$1"; shift; fi
@@ -246,7 +254,7 @@ INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec fl
 [[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
 printf '%s\n' "$NCCL_INFO" "$PLACE_INFO" "$GPU_INFO" "$ALLOC_INFO" "$INFO"
 echo "environment set for the ranks:"
-comm -13 <(echo "$ENV_AT_START") <(env | sort) | sed 's/^/  /'
+comm -13 <(echo "$ENV_AT_START") <(env | sort) | grep -v -E '^(OLDPWD|PWD|SHLVL|_)=' | sed 's/^/  /'
 QUOTED=$(printf '%q ' "${CMD[@]}")  # as a shell would need it: each argument's bounds visible
 echo "${QUOTED% }"
 [[ $DRY_RUN -eq 1 ]] && exit 0

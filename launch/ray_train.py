@@ -63,14 +63,15 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.address is None:  # this machine alone: the layout for N ranks on one node, now
-        from megatron_lite.distributed import ParallelDims, TopologyError
+    # The layout for N ranks, before Ray starts. Where the workers land on a cluster is Ray's to
+    # decide: checked as one node here (what depends on the nodes is checked again by the ranks).
+    from megatron_lite.distributed import ParallelDims, TopologyError
 
-        try:
-            ParallelDims.plan(cfg, args.num_workers, local_world_size=args.num_workers)
-        except TopologyError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    try:
+        ParallelDims.plan(cfg, args.num_workers, local_world_size=args.num_workers)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.max_failures and not cfg.checkpoint.dir:
         print("warning: --max-failures without checkpoint.dir: a restarted run starts again "
               "from step 0", file=sys.stderr)

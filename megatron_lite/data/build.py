@@ -22,6 +22,8 @@ def fetched(url: str, folder: Path, log=print, timeout_s: float = 60.0) -> Path:
     used as it is. Written to a temporary name and renamed when complete, so an interrupted
     download is never taken for the text. FileNotFoundError naming the URL and the way round it
     (a compute node without the internet) when the download fails."""
+    import http.client
+    import os
     import urllib.error
     import urllib.parse
     import urllib.request
@@ -31,17 +33,23 @@ def fetched(url: str, folder: Path, log=print, timeout_s: float = 60.0) -> Path:
     if dest.is_file():
         return dest
     folder.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(f".{name}.part")
+    partial = dest.with_name(f".{name}.{os.getpid()}.part")  # one per process: ranks may race
     log(f"downloading {url} to {dest}")
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response, open(partial, "wb") as out:
             shutil.copyfileobj(response, out)
-    except (OSError, urllib.error.URLError) as e:  # HTTPError is a URLError; both are OSErrors
+            expected = response.headers.get("Content-Length")
+        got = partial.stat().st_size
+        if expected is not None and got != int(expected):
+            raise OSError(f"the connection ended after {got} of {expected} bytes")
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        # (URLError and HTTPError are OSErrors; a cut-off body is an HTTPException; a malformed
+        # URL a ValueError.)
         partial.unlink(missing_ok=True)
         raise FileNotFoundError(f"data.build_from: downloading {url} failed ({e}); download it "
                                 f"where the network allows, then set data.build_from=PATH (or put "
                                 f"it at {dest})") from None
-    partial.rename(dest)
+    os.replace(partial, dest)
     return dest
 
 

@@ -430,3 +430,16 @@ def test_polaris_checks_the_recipe_before_mpiexec(tmp_path, args, env, named):
         assert named in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "pretrain.py" not in out.stdout
     assert not started.exists()
+
+
+def test_dry_run_after_the_recipe_is_still_a_dry_run_and_a_job_outside_the_repository_is_named(tmp_path):
+    for script, recipe in (("gaudi.sh", "recipes/llama2-7b-gaudi.yaml"),
+                           ("polaris.sh", "recipes/quickstart.yaml")):
+        out = _launch(script, recipe, "--dry-run")
+        assert out.returncode == 0, (script, out.stderr[-2000:])
+        assert out.stdout.splitlines()[-1].split()[0] in ("deepspeed", "mpiexec"), out.stdout[-500:]
+        assert "--dry-run" not in out.stdout.splitlines()[-1]
+    out = _launch("polaris.sh", "--dry-run", "recipes/quickstart.yaml", PBS_O_WORKDIR=str(tmp_path))
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"error: {tmp_path} is not the repository's root"), line

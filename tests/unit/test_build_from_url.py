@@ -31,6 +31,16 @@ def server(tmp_path):
         def log_message(self, *args):
             requests.append(self.path)
 
+        def do_GET(self):
+            if self.path != "/cut.txt":
+                return super().do_GET()
+            # A connection that ends early: the length promised, a fifth of it sent.
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(TEXT)))
+            self.end_headers()
+            self.wfile.write(TEXT[: len(TEXT) // 5].encode())
+            self.close_connection = True
+
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(site)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -71,4 +81,14 @@ def test_a_failed_download_names_the_url_and_leaves_nothing(tmp_path, server):
     message = str(e.value)
     assert f"downloading {url}/missing.txt failed (HTTP Error 404" in message
     assert "set data.build_from=PATH" in message
+    assert sorted(p.name for p in (tmp_path / "built").iterdir()) == []
+
+
+def test_a_download_cut_short_is_refused_not_built_from(tmp_path, server):
+    url, _ = server
+    data = _data(tmp_path, f"{url}/cut.txt")
+    with pytest.raises(FileNotFoundError) as e:
+        ensure_dataset(data, log=lambda m: None)
+    assert f"downloading {url}/cut.txt failed (" in str(e.value)
+    assert "set data.build_from=PATH" in str(e.value)
     assert sorted(p.name for p in (tmp_path / "built").iterdir()) == []
