@@ -75,6 +75,13 @@ def lint(ds: IndexedDataset, vocab_size: int | None, separators: list[int]) -> l
     return problems
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def _ids(ds: IndexedDataset, command: str, index: int, seq_length: int) -> np.ndarray:
     """The token ids of document ``index`` or of stream window ``index``; IndexError naming the
     range when there is no such one."""
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"],
                    help="decode token ids to text (doc, sample), check them against the vocabulary (lint)")
     p.add_argument("--tokenizer-model", help="the tokenizer's file or directory")
-    p.add_argument("--seq-length", type=int, default=1024, help="sample: window length")
+    p.add_argument("--seq-length", type=_positive, default=1024, help="sample: window length")
     a = p.parse_args(argv)
     if a.command in ("doc", "sample") and a.index is None:
         p.error(f"{a.command} needs a number: inspect_data.py PREFIX {a.command} N")
@@ -121,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(stats(ds)))
         return 0
     if ids is not None:
+        if tok is not None and ids.size and int(ids.max()) >= tok.vocab_size:
+            print(f"error: token id {int(ids.max())} is outside the tokenizer's {tok.vocab_size} ids: "
+                  "give the tokenizer the dataset was made with", file=sys.stderr)
+            return 2
         print(tok.decode(ids.tolist()) if tok else " ".join(map(str, ids.tolist())))
         return 0
     separators = [t for t in ((tok.eod_id, tok.bos_id) if tok else ()) if t is not None]

@@ -26,7 +26,13 @@ from megatron_lite.spikes import SPIKES_FILE  # noqa: E402
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # blank, or the torn last line of a run that was killed mid-write
+            continue
+    return out
 
 
 def _num(x, fmt: str = ".4g") -> str:
@@ -131,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3, help="samples decoded per event (default 3)")
     p.add_argument("--chars", type=int, default=300, help="characters shown per sample (default 300)")
     p.add_argument("--data-prefix", help="read samples from this dataset prefix instead of the recorded one")
-    p.add_argument("--tokenizer-type", help="tokenizer type instead of the run config's")
+    p.add_argument("--tokenizer-type",
+                   choices=["char", "sentencepiece", "huggingface", "megatron-sentencepiece"],
+                   help="tokenizer type instead of the run config's")
     p.add_argument("--tokenizer-model", help="tokenizer file/dir instead of the run config's")
     p.add_argument("--plot", type=Path, help="write the loss curve with events marked to this PNG")
     args = p.parse_args(argv)
@@ -139,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     events = read_jsonl(args.run_dir / SPIKES_FILE)
     if not events and not (args.run_dir / SPIKES_FILE).is_file():
         if not args.run_dir.is_dir():
-            print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
-            return 1
+            print(f"error: {args.run_dir} is not a directory (give a run's logging.dir)", file=sys.stderr)
+            return 2
         print(f"no {SPIKES_FILE} in {args.run_dir}: the run recorded no events")
     print("\n".join(table(events)))
     if args.text:
@@ -154,9 +162,15 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         tok_cfg = OmegaConf.load(config).data.tokenizer if config.is_file() else None
-        tokenizer = load_tokenizer(args.tokenizer_type or tok_cfg.type, args.tokenizer_model or tok_cfg.model)
+        try:
+            tokenizer = load_tokenizer(args.tokenizer_type or tok_cfg.type,
+                                       args.tokenizer_model or tok_cfg.model)
+            texts = sample_texts(events, tokenizer, args.data_prefix, args.samples, args.chars)
+        except (OSError, ValueError, IndexError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print()
-        print("\n".join(sample_texts(events, tokenizer, args.data_prefix, args.samples, args.chars)))
+        print("\n".join(texts))
     if args.plot:
         try:
             plot(args.run_dir, events, args.plot)

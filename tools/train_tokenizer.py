@@ -79,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --input {missing[0]} does not exist or is not a file"
               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), file=sys.stderr)
         return 2
+    if output.endswith("/") or not Path(output).name:
+        print(f"error: --output {args.output} names a directory; give a file prefix such as "
+              f"{args.output.rstrip('/')}/tok", file=sys.stderr)
+        return 2
     try:
         return _train(args, output)
-    except InputError as e:
+    except (InputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

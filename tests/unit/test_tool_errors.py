@@ -27,6 +27,9 @@ def files(tmp_path_factory) -> Path:
     w.add_documents([tok.encode(t) for t in texts])
     w.finalize()
     (d / "sp.model").write_bytes(b"\x0a\x80\x01binary protobuf")
+    CharTokenizer.build("abc", d / "small.json")  # too few ids for the corpus
+    (d / "run").mkdir()  # a run directory whose spikes.jsonl ends in a torn line
+    (d / "run" / "spikes.jsonl").write_text('{"event": "sp')
     return d
 
 
@@ -61,6 +64,19 @@ CASES = [
     ("inspect_data", ["{d}/corpus_text_document", "doc", "0", "--tokenizer-type", "char",
                       "--tokenizer-model", "{d}/sp.model"],
      "error: tokenizer '{d}/sp.model' cannot be read as a char tokenizer: {d}/sp.model: "),
+    ("inspect_data", ["{d}/corpus_text_document", "sample", "0", "--seq-length", "0"],
+     "argument --seq-length: 0: must be at least 1"),
+    ("inspect_data", ["{d}/corpus_text_document", "doc", "0", "--tokenizer-type", "char",
+                      "--tokenizer-model", "{d}/small.json"],
+     "is outside the tokenizer's 3 ids: give the tokenizer the dataset was made with"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--type", "char",
+                         "--output", "{d}/corpus.jsonl/sub/c"],
+     "error: [Errno 20] Not a directory"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--type", "char", "--output", "{d}/out/"],
+     "names a directory; give a file prefix"),
+    ("spike_report", ["{d}/no-run"], "error: {d}/no-run is not a directory (give a run's logging.dir)"),
+    ("spike_report", ["{d}/run", "--text", "--tokenizer-type", "char", "--tokenizer-model", "{d}/none.json"],
+     "error: tokenizer '{d}/none.json' does not exist"),
     ("convert_checkpoint", ["--from", "hf", "/nonexistent", "{d}/imported"],
      "error: /nonexistent does not exist (a local Hugging Face model directory"),
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}/export"],
@@ -146,3 +162,8 @@ def test_a_prefix_given_as_preprocess_datas_output_prefix_names_the_dataset_it_m
     with pytest.raises(FileNotFoundError) as e:
         ensure_dataset(cfg.data)
     assert f"did you mean data.prefix={files}/corpus_text_document?" in str(e.value)
+
+
+def test_a_torn_last_line_of_the_spike_log_is_skipped(files, capsys):
+    status, _ = _run("spike_report", [files / "run"], capsys)
+    assert status == 0
