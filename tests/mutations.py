@@ -49,6 +49,11 @@ MUTATIONS = [
              "megatron_lite/checkpoint/checkpointer.py",
              'if same_layout and own is not None and own["rng"] is not None:', "if False:",
              ("tests/distributed/test_checkpoint.py::test_resume_after_kill_is_bitwise_exact[one-process]",)),
+    Mutation("latest-before-commit", "`latest` moves only once its checkpoint is complete and in place",
+             "megatron_lite/checkpoint/store.py", '    final = root / step_name(manifest["step"])\n',
+             '    final = root / step_name(manifest["step"])\n'
+             '    write_bytes_durably(root / LATEST, (final.name + "\\n").encode())\n',
+             ("tests/distributed/test_checkpoint_faults.py::test_crash_inside_a_save_keeps_the_previous_checkpoint",)),
     Mutation("unpickle-anything", "a checkpoint file never runs code when loaded",
              "megatron_lite/checkpoint/store.py", "weights_only=True, mmap=True",
              "weights_only=False, mmap=True",

@@ -149,6 +149,9 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
                                  capture_output=True, text=True, timeout=300)
         assert crashed.returncode != 0, crash
         assert (ck_dir / "latest").read_text().strip() == "step_00000002", crash
+        # Killed before the commit: no step 4; after it: step 4 complete, only `latest` behind.
+        committed = (ck_dir / "step_00000004" / "manifest.json").is_file()
+        assert committed == (crash == "before_latest"), (crash, sorted(p.name for p in ck_dir.iterdir()))
         proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b{n}"], nproc=2))
         assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
         assert not list(ck_dir.glob(".tmp-*")), crash
