@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if a.source and not a.input.exists() and not is_hub_id(str(a.input)):
+    # A path shaped like a Hub id whose first folder exists here (models/llama-hf) is a missing
+    # local copy, not a download.
+    local = not is_hub_id(str(a.input)) or (len(a.input.parts) > 1 and Path(a.input.parts[0]).is_dir())
+    if a.source and not a.input.exists() and local:
         print(f"error: {a.input} does not exist (a local Hugging Face model directory; a Hub id "
               "is written ORG/NAME)", file=sys.stderr)
         return 2

@@ -79,6 +79,8 @@ CASES = [
      "error: tokenizer '{d}/none.json' does not exist"),
     ("convert_checkpoint", ["--from", "hf", "/nonexistent", "{d}/imported"],
      "error: /nonexistent does not exist (a local Hugging Face model directory"),
+    ("convert_checkpoint", ["--from", "hf", "{d}/llama-hf", "{d}/imported"],
+     "error: {d}/llama-hf does not exist (a local Hugging Face model directory"),
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}/export"],
      "error: checkpoint {d}/no-checkpoint does not exist"),
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}"],
