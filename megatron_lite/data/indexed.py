@@ -122,6 +122,9 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | Path):
         self.prefix = str(prefix)
+        if not dataset_exists(prefix) and str(prefix).endswith((".bin", ".idx")) \
+                and dataset_exists(str(prefix)[:-4]):
+            raise FileNotFoundError(f"give the dataset's prefix without .bin/.idx: {str(prefix)[:-4]}")
         if not dataset_exists(prefix):
             raise FileNotFoundError(
                 f"indexed dataset '{prefix}.bin/.idx' not found; "

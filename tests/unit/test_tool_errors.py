@@ -61,6 +61,8 @@ CASES = [
     ("inspect_data", ["{d}/corpus_text_document", "lint"],
      "lint needs --tokenizer-type and --tokenizer-model"),
     ("inspect_data", ["{d}/corpus", "stats"], "did you mean {d}/corpus_text_document?"),
+    ("inspect_data", ["{d}/corpus_text_document.bin", "stats"],
+     "error: give the dataset's prefix without .bin/.idx: {d}/corpus_text_document"),
     ("inspect_data", ["{d}/corpus_text_document", "doc", "0", "--tokenizer-type", "char",
                       "--tokenizer-model", "{d}/sp.model"],
      "error: tokenizer '{d}/sp.model' cannot be read as a char tokenizer: {d}/sp.model: "),
