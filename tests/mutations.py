@@ -96,30 +96,43 @@ def copy_tree(dest: Path) -> Path:
     return root
 
 
+def _pytest(root: Path, tests: tuple[str, ...], timeout: int) -> int | None:
+    """pytest's exit status on ``tests`` in ``root``; None when they ran past ``timeout``."""
+    try:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                              cwd=root, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"}).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def run(mutation: Mutation, root: Path, timeout: int) -> tuple[str, float]:
+    """The verdict: ``killed`` only when the tests pass on the unmutated tree and fail (not time
+    out, not error) on the mutated one."""
     target = root / mutation.file
     text = target.read_text()
     if text.count(mutation.old) != 1:
         return "stale (the line to change is not there once: update the mutation)", 0.0
-    target.write_text(text.replace(mutation.old, mutation.new))
     started = time.monotonic()
+    baseline = _pytest(root, mutation.tests, timeout)
+    if baseline != 0:
+        what = f"ran past {timeout} s" if baseline is None else f"fail (pytest exit {baseline})"
+        return f"no verdict: the tests {what} without the mutation", time.monotonic() - started
+    target.write_text(text.replace(mutation.old, mutation.new))
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               *mutation.tests], cwd=root, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
-        verdict = "killed" if proc.returncode == 1 else ("survived" if proc.returncode == 0
-                                                         else f"error (pytest exit {proc.returncode})")
-    except subprocess.TimeoutExpired:
-        verdict = f"killed by the {timeout} s timeout"
+        status = _pytest(root, mutation.tests, timeout)
     finally:
         target.write_text(text)
+    verdict = {0: "survived", 1: "killed", None: f"no verdict: ran past {timeout} s"}.get(
+        status, f"error (pytest exit {status})")
     return verdict, time.monotonic() - started
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", help="a mutation's name (repeatable); default: all")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's tests")
+    parser.add_argument("--timeout", type=int, default=900,
+                        help="seconds per run of its tests (each runs twice: unmutated, then mutated)")
     parser.add_argument("--keep", action="store_true", help="keep the copy of the tree (its path is printed)")
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
@@ -133,7 +146,7 @@ def main() -> int:
         survived = 0
         for m in chosen:
             verdict, seconds = run(m, root, args.timeout)
-            survived += verdict != "killed" and not verdict.startswith("killed")
+            survived += verdict != "killed"
             tests = "<br>".join(t.split("::", 1)[1] for t in m.tests)
             print(f"| `{m.name}` | {m.claim} | {tests} | {verdict} ({seconds:.0f} s) |", flush=True)
     finally:
