@@ -76,7 +76,10 @@ def lint(ds: IndexedDataset, vocab_size: int | None, separators: list[int]) -> l
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
     return value

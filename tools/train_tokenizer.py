@@ -53,7 +53,10 @@ def _json_text(line: str, key: str, path: str, n: int) -> str:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
     return value
@@ -93,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace, output: str) -> int:
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     if args.type == "char":
-        tok = CharTokenizer.build("".join(iter_texts(args.input, args.json_key)), output + ".json")
+        text = "".join(iter_texts(args.input, args.json_key))
+        if not text:
+            raise InputError(f"{', '.join(args.input)}: no text to build a vocabulary from")
+        tok = CharTokenizer.build(text, output + ".json")
         print(f"wrote {output}.json ({tok.vocab_size} characters)")
         return 0
     import sentencepiece as spm

@@ -28,6 +28,7 @@ def files(tmp_path_factory) -> Path:
     w.finalize()
     (d / "sp.model").write_bytes(b"\x0a\x80\x01binary protobuf")
     CharTokenizer.build("abc", d / "small.json")  # too few ids for the corpus
+    (d / "empty.txt").write_text("")
     (d / "run").mkdir()  # a run directory whose spikes.jsonl ends in a torn line
     (d / "run" / "spikes.jsonl").write_text('{"event": "sp')
     return d
@@ -51,6 +52,10 @@ CASES = [
      "error: {d}/corpus.jsonl line 1 has no key 'txt' (its keys: 'text'); pass --json-key KEY"),
     ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--vocab-size", "-5", "--output", "{d}/out/sp"],
      "argument --vocab-size: -5: must be at least 1"),
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--vocab-size", "abc", "--output", "{d}/out/sp"],
+     "argument --vocab-size: 'abc': not a whole number"),
+    ("train_tokenizer", ["--input", "{d}/empty.txt", "--type", "char", "--output", "{d}/out/e"],
+     "error: {d}/empty.txt: no text to build a vocabulary from"),
     ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--vocab-size", "5000", "--output", "{d}/out/sp"],
      "error: sentencepiece refused: "),
     ("inspect_data", ["{d}/corpus_text_document", "doc", "999"],
