@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from megatron_lite.data.indexed import IndexedDataset  # noqa: E402
 from megatron_lite.data.tokenizers import load_tokenizer  # noqa: E402
+from tools._cli_args import positive_int  # noqa: E402
 
 CHUNK = 1 << 24
 
@@ -75,16 +76,6 @@ def lint(ds: IndexedDataset, vocab_size: int | None, separators: list[int]) -> l
     return problems
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
 def _ids(ds: IndexedDataset, command: str, index: int, seq_length: int) -> np.ndarray:
     """The token ids of document ``index`` or of stream window ``index``; IndexError naming the
     range when there is no such one."""
@@ -111,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface", "char"],
                    help="decode token ids to text (doc, sample), check them against the vocabulary (lint)")
     p.add_argument("--tokenizer-model", help="the tokenizer's file or directory")
-    p.add_argument("--seq-length", type=_positive, default=1024, help="sample: window length")
+    p.add_argument("--seq-length", type=positive_int, default=1024, help="sample: window length")
     a = p.parse_args(argv)
     if a.command in ("doc", "sample") and a.index is None:
         p.error(f"{a.command} needs a number: inspect_data.py PREFIX {a.command} N")

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.tokenizers import CharTokenizer  # noqa: E402
+from tools._cli_args import positive_int  # noqa: E402
 
 
 class InputError(ValueError):
@@ -52,16 +53,6 @@ def _json_text(line: str, key: str, path: str, n: int) -> str:
     return doc[key]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl or plain-text files")
@@ -70,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="subword (sentencepiece) or one token per character (char)")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
                    help="sentencepiece algorithm")
-    p.add_argument("--vocab-size", type=_positive, default=4096, help="sentencepiece vocabulary size")
+    p.add_argument("--vocab-size", type=positive_int, default=4096, help="sentencepiece vocabulary size")
     p.add_argument("--output", required=True,
                    help="output prefix: writes OUTPUT.model (sentencepiece) or OUTPUT.json (char); "
                         "a name already ending in that suffix is taken as the file's name")

@@ -36,8 +36,12 @@ def dataset_exists(prefix: str | Path) -> bool:
 
 
 def datasets_under(prefix: str | Path) -> list[str]:
-    """The datasets ``tools/preprocess_data.py --output-prefix PREFIX`` writes
-    (``PREFIX_{key}_document``) that exist: what a prefix naming no dataset most likely meant."""
+    """What a prefix naming no dataset most likely meant: the prefix without a ``.bin``/``.idx``
+    given with it, or the datasets ``tools/preprocess_data.py --output-prefix PREFIX`` writes
+    (``PREFIX_{key}_document``), those that exist."""
+    text = str(prefix)
+    if text.endswith((".bin", ".idx")) and dataset_exists(text[:-4]):
+        return [text[:-4]]
     base = Path(prefix)
     return sorted(str(p)[:-len(".idx")] for p in base.parent.glob(f"{base.name}_*_document.idx")
                   if dataset_exists(str(p)[:-len(".idx")]))
@@ -122,13 +126,11 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | Path):
         self.prefix = str(prefix)
-        if not dataset_exists(prefix) and str(prefix).endswith((".bin", ".idx")) \
-                and dataset_exists(str(prefix)[:-4]):
-            raise FileNotFoundError(f"give the dataset's prefix without .bin/.idx: {str(prefix)[:-4]}")
         if not dataset_exists(prefix):
+            meant = datasets_under(prefix)
             raise FileNotFoundError(
                 f"indexed dataset '{prefix}.bin/.idx' not found; "
-                + (f"did you mean {' or '.join(datasets_under(prefix)[:3])}?" if datasets_under(prefix)
+                + (f"did you mean {' or '.join(meant[:3])}?" if meant
                    else "build it with tools/preprocess_data.py (or set data.build_from)"))
         idx = np.memmap(f"{prefix}.idx", dtype=np.uint8, mode="r")
         if bytes(idx[:9]) != HEADER:
