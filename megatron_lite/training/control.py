@@ -60,6 +60,8 @@ class Decision:
     save: bool
     stop: str | None
     """Why the run stops now (a signal, the time limit), or None."""
+    asked: str | None = None
+    """Why a save was asked for at this step while the run goes on (``request_save``), or None."""
 
 
 _listener: RunControl | None = None
@@ -69,7 +71,7 @@ runs one trainer per process)."""
 
 def request_stop(reason: str) -> bool:
     """Ask this process's training loop to save and stop at its next step boundary, as a signal
-    does with ``checkpoint.save_on_signal`` (the stop reads ``signal REASON``). Safe from any
+    does with ``checkpoint.save_on_signal`` (``signal REASON`` for a signal's name). Safe from any
     thread and from a signal handler (one attribute store). False when no training loop takes
     it: training has not started yet (the dataset, model or engine is being built), the run has
     no ``checkpoint.dir`` or ``save_on_signal`` is off, or training runs on the main thread,
@@ -78,6 +80,18 @@ def request_stop(reason: str) -> bool:
     if control is None:
         return False
     control.received = reason
+    return True
+
+
+def request_save(reason: str) -> bool:
+    """Ask this process's training loop to save at its next step boundary and go on (a Ray node
+    about to be preempted: Ray restarts the workers elsewhere, and they resume from that save).
+    Every rank saves at the same step as soon as one rank has the request. Thread-safe as
+    ``request_stop``, and False in the same cases."""
+    control = _listener
+    if control is None:
+        return False
+    control.save_asked = reason
     return True
 
 
@@ -109,6 +123,7 @@ class RunControl:
         self.start = now - max(0.0, time.time() - run_started_at())
         self.last_save = now
         self.received: str | None = None
+        self.save_asked: str | None = None
         self.active = bool(cfg.checkpoint.dir) or cfg.training.exit_duration_mins is not None
         if cfg.checkpoint.dir and cfg.checkpoint.save_on_signal:
             if threading.current_thread() is threading.main_thread():
@@ -129,29 +144,37 @@ class RunControl:
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
-    N_FLAGS = 3
+    N_FLAGS = 4
 
     def flags(self) -> list[bool]:
-        """This rank's view now (signal received, out of time, save timer due); what the step's
-        report carries to the other ranks. Empty when the run control is off."""
+        """This rank's view now (signal received, out of time, save timer due, save asked); what
+        the step's report carries to the other ranks. Empty when the run control is off."""
         if not self.active:
             return []
         ck, t = self.cfg.checkpoint, self.cfg.training
         now = time.monotonic()
         out_of_time = t.exit_duration_mins is not None and now - self.start >= 60 * t.exit_duration_mins
         timer = ck.save_interval_minutes > 0 and now - self.last_save >= 60 * ck.save_interval_minutes
-        return [self.received is not None, out_of_time, timer]
+        return [self.received is not None, out_of_time, timer, self.save_asked is not None]
 
     def decide(self, agreed: tuple[bool, ...]) -> Decision:
         """The decision from ``agreed``: this step's ``flags`` OR-ed over all ranks (the step
         report carries them), the same on every rank."""
         if not self.active:
             return Decision(False, None)
-        got_signal, out_of_time, timer = agreed
+        got_signal, out_of_time, timer, asked = agreed
         ck, t = self.cfg.checkpoint, self.cfg.training
+        why_asked = None
+        if asked:
+            why_asked = self.save_asked or "a save asked for on another rank"
+            # Taken: a request that reaches this rank after this step asks for a second save.
+            self.save_asked = None
         stop = None
         if got_signal:
-            stop = f"signal {self.received or 'received by another rank'}"
+            # A stop that is not a signal (a Ray node's drain) says what it is.
+            stop = (self.received if self.received and not self.received.startswith("SIG")
+                    else f"signal {self.received or 'received by another rank'}")
         elif out_of_time:
             stop = f"training.exit_duration_mins={t.exit_duration_mins} reached"
-        return Decision(bool(ck.dir) and (timer or stop is not None), stop)
+        return Decision(bool(ck.dir) and (timer or asked or stop is not None), stop,
+                        why_asked if stop is None else None)

@@ -22,6 +22,11 @@ What this module decides, and why:
   (``ray job stop``, a scheduler) reaches every worker through a small actor, and SIGTERM/SIGUSR1
   to a worker process is caught on its main thread; both end in ``control.request_stop``: every
   rank saves at the same step and the run ends with status 0.
+- **A preemption saves, and the run goes on.** A preempted node reaches no worker as a signal:
+  Ray drains it, ends its workers at the drain's deadline and starts the group again elsewhere
+  (``FailureConfig.max_preemption_failures``, apart from ``max_failures``). The launcher watches
+  Ray's draining nodes; when one holds a worker, every rank saves at its next step
+  (``control.request_save``) and trains on, and the restarted group resumes from that save.
 - **Secrets stay out of Ray's records.** Ray writes a job's ``runtime_env`` to its logs and
   dashboard: secret-looking variables (API keys, tokens) go to the workers through a private
   file whose path is passed instead, unless their own environment has them.
@@ -247,40 +252,138 @@ def rendezvous(spec: WorkerSpec, rank: int, whole_job_here: bool) -> tuple[str, 
 
 
 class StopRequest:
-    """The launcher's stop, for every worker: each waits on ``wait`` in a thread of its own (one
-    pending call per worker, nothing polled). An async actor, so that the waits do not hold
-    its one thread."""
+    """The launcher's requests, for every worker: a stop (SIGTERM to the launcher) and saves
+    (a node about to be preempted). Each worker waits on ``wait`` in a thread of its own (one
+    pending call per worker, nothing polled); an async actor, so that the waits do not hold its
+    one thread. Each worker registers the Ray node it runs on, for the launcher's drain watch."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
-        self.event = asyncio.Event()
+        self.saves: list[str] = []
+        self.changed = asyncio.Event()
+        self.placed: dict[int, str] = {}
+
+    def _wake(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
 
     async def request(self, reason: str) -> None:
         self.reason = reason
-        self.event.set()
+        self._wake()
 
-    async def wait(self) -> str:
-        await self.event.wait()
-        return self.reason or "stop"
+    async def ask_save(self, reason: str) -> None:
+        self.saves.append(reason)
+        self._wake()
+
+    async def register(self, rank: int, node_id: str) -> int:
+        """Where ``rank`` runs now (a restarted worker group replaces the placement of the one
+        before); the number of saves asked so far, which a new worker does not repeat."""
+        self.placed[rank] = node_id
+        return len(self.saves)
+
+    async def wait(self, seen: int) -> tuple[str | None, list[str]]:
+        """(the stop's reason or None, the saves asked after the first ``seen``), once there
+        is either."""
+        while self.reason is None and len(self.saves) <= seen:
+            await self.changed.wait()
+        return self.reason, self.saves[seen:]
+
+    async def nodes(self) -> dict[str, list[int]]:
+        """Node id -> the ranks on it."""
+        out: dict[str, list[int]] = {}
+        for rank, node in sorted(self.placed.items()):
+            out.setdefault(node, []).append(rank)
+        return out
 
 
-def follow_launcher_stop(stop: Any) -> None:
-    """On a worker: when the launcher is asked to stop, stop this rank's training loop at a step
-    boundary. Until the loop runs (the workers are still starting) the request is repeated, so
-    a run stopped while starting saves at its first step."""
+def follow_launcher(stop: Any, rank: int) -> None:
+    """On a worker: take the launcher's requests at this rank's next step boundary, a stop (the
+    loop saves and ends) or a save (it saves and goes on). Until the loop runs (the workers are
+    still starting) a request is repeated, so a run stopped while starting saves at its first
+    step."""
     import ray
 
-    from megatron_lite.training.control import request_stop
+    from megatron_lite.training.control import request_save, request_stop
+
+    def take(request: Any, reason: str) -> None:
+        while not request(reason):
+            time.sleep(0.5)
 
     def follow() -> None:
         try:
-            reason = ray.get(stop.wait.remote())
+            seen = ray.get(stop.register.remote(rank, ray.get_runtime_context().get_node_id()))
+            while True:
+                reason, saves = ray.get(stop.wait.remote(seen))
+                if reason is not None:
+                    take(request_stop, reason)
+                    return
+                seen += len(saves)
+                for why in saves:
+                    take(request_save, why)
         except Exception:  # the launcher is gone: Ray ends this worker itself
             return
-        while not request_stop(reason):
-            time.sleep(0.5)
 
     threading.Thread(target=follow, name="ray-stop", daemon=True).start()
+
+
+DRAIN_POLL_S = 2.0
+"""How often the launcher asks Ray which nodes drain: well inside the notice a preemption gives
+(30 s on the clouds' spot nodes and for ``ray start``'s own SIGTERM drain), and one request to
+Ray's control store per poll whatever the number of workers."""
+
+
+def draining_nodes() -> dict[str, int] | None:
+    """Node id -> drain deadline (ms since the epoch, 0 for none) of the nodes Ray drains now;
+    None when this Ray cannot say. Ray has no public call for it; this is the one Ray Train's
+    own preemption watcher and Ray Serve use. A Ray without it loses the watch, not the run."""
+    import ray
+
+    state = getattr(getattr(getattr(ray, "_private", None), "state", None), "state", None)
+    get = getattr(state, "get_draining_nodes", None)
+    return None if get is None else dict(get())
+
+
+def drain_reason(node: str, ranks: list[int], deadline_ms: int, now: float) -> str:
+    """Why a save is asked for: which node drains, its ranks and the time left."""
+    where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    left = (f"its deadline is in {max(0.0, deadline_ms / 1000 - now):.0f} s" if deadline_ms
+            else "no deadline")
+    return f"Ray drains node {node[:12]} ({where}; {left})"
+
+
+def watch_drains(stop: Any, on_drain: Any, done: threading.Event,
+                 interval: float = DRAIN_POLL_S) -> threading.Thread:
+    """In the launcher: when Ray starts draining a node that runs a worker (a preemption notice
+    from the cloud or KubeRay, a scale-down, ``ray start`` given SIGTERM), call ``on_drain``
+    with the reason, once per node and deadline. Ray ends the workers there at the deadline
+    without a signal of their own, and restarts the group on other nodes."""
+    import ray
+
+    def watch() -> None:
+        told: set[tuple[str, int]] = set()
+        while not done.wait(interval):
+            try:
+                draining = draining_nodes()
+                if draining is None:
+                    emit_line("warning: this Ray does not say which nodes it drains: a preempted "
+                              "node loses the steps since the last save", sys.stderr)
+                    return
+                if not draining.keys() - {node for node, _ in told}:
+                    continue
+                placed = ray.get(stop.nodes.remote(), timeout=30)
+            except Exception as e:  # Ray itself is going away: fit() reports that
+                if not done.is_set():
+                    emit_line(f"warning: the drain watch stopped ({type(e).__name__}: {e})",
+                              sys.stderr)
+                return
+            for node, deadline in sorted(draining.items()):
+                if node in placed and (node, deadline) not in told:
+                    told.add((node, deadline))
+                    on_drain(drain_reason(node, placed[node], deadline, time.time()))
+
+    thread = threading.Thread(target=watch, name="ray-drain-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def save_on_worker_signals() -> None:
@@ -316,14 +419,14 @@ def worker_loop(config: dict[str, Any]) -> None:
     config = dict(config)
     stop = config.pop("stop", None)
     spec = WorkerSpec(**config)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if stop is not None:
-        follow_launcher_stop(stop)
+        follow_launcher(stop, rank)
     os.environ.update(spec.env)
     own, taken, missing = take_secrets(spec.secret_names, spec.secrets_file)
     if spec.cwd and os.path.isdir(spec.cwd):
         os.chdir(spec.cwd)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if missing:
         emit_line(f"warning: rank {rank}: {', '.join(missing)} of the launcher reach no worker on "
                   f"this node: its private copy {spec.secrets_file} is not readable here; set them "
@@ -472,6 +575,7 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
     setup = ray_setup(spec)
     failed = None
     stopped: list[str] = []
+    watching = threading.Event()  # set: the drain watch ends
     try:
         # Without an address: a cluster of this machine alone, whose workers meet on loopback.
         ray.init(address=address, runtime_env=setup.runtime_env)
@@ -491,6 +595,13 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
 
             for sig in SIGNALS:  # after ray.init, whose SIGTERM handler exits at once
                 signal.signal(sig, on_signal)
+            def on_drain(reason: str) -> None:
+                emit_line(f"ray: {reason}: every rank saves a checkpoint at its next step; when "
+                          "the node goes, Ray restarts the workers elsewhere and they resume "
+                          "from it", sys.stderr)
+                stop.ask_save.remote(reason)
+
+            watch_drains(stop, on_drain, watching)
         storage = os.path.abspath(os.path.join(checkpoint_dir, "ray")) if checkpoint_dir else None
         trainer = TorchTrainer(
             worker_loop, train_loop_config=config,
@@ -504,6 +615,7 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
         except TrainingFailedError as e:
             failed = failure_reason(e)
     finally:
+        watching.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         ray.shutdown()  # first: Ray's buffered worker lines come out before the reason

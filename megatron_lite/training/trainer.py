@@ -226,6 +226,8 @@ class Trainer:
             if evaluated is not None:
                 result.final_val_loss, result.sample_text = evaluated
             decision = self.control.decide(self._agreed_flags(judged))
+            if decision.asked is not None and self.saves is not None:
+                self.log(f"saving at step {st.step}: {decision.asked}")
             if self.saves is not None:
                 started = time.perf_counter()
                 self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)

@@ -1,9 +1,9 @@
 """launch/ray_train.py on Ray clusters of this machine: two gloo workers train shakespeare-char
 with torchrun's per-step losses; a worker killed mid-run is replaced by Ray, the run resuming from
 the newest committed checkpoint with the uninterrupted losses, bit for bit; SIGTERM to the launcher
-or to a worker saves every rank's checkpoint at one step and ends the run with status 0; a
-rendezvous host that is not rank 0's node is ignored with a warning; secrets reach the workers
-but never Ray's records."""
+or to a worker, or a node that Ray drains (a preemption), saves every rank's checkpoint at one
+step and ends the run with status 0; a rendezvous host that is not rank 0's node is ignored with
+a warning; secrets reach the workers but never Ray's records."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,18 +45,21 @@ def losses(records: list[dict]) -> dict[int, float]:
 
 
 @contextlib.contextmanager
-def ray_cluster(records: Path, env: dict[str, str]) -> Iterator[str]:
+def ray_cluster(records: Path, env: dict[str, str], num_cpus: int | None = None) -> Iterator[tuple[str, str]]:
     """A Ray cluster of this machine started in a process of its own, as ``ray start --head``
     starts one, with ``env`` added to the test environment (its workers inherit it: not the
-    launcher's secrets); Ray writes its records (logs, session files) under ``records``. Yields
-    its address."""
+    launcher's secrets), of ``num_cpus`` CPUs (the machine's by default); Ray writes its records
+    (logs, session files) under ``records``. Yields its address and its node's id."""
     env = {**cpu_env(), **env, "RAY_TMPDIR": str(records), "RAY_AUTH_MODE": "disabled"}
-    head = subprocess.Popen([sys.executable, "-c", "import ray, time; ray.init(include_dashboard=False); "
-                             "print(ray.get_runtime_context().gcs_address, flush=True); time.sleep(3600)"],
+    head = subprocess.Popen([sys.executable, "-c", f"import ray, time; ray.init(include_dashboard=False, "
+                             f"num_cpus={num_cpus}); "
+                             "c = ray.get_runtime_context(); print(c.gcs_address, c.get_node_id(), "
+                             "flush=True); time.sleep(3600)"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert head.stdout is not None
-        yield head.stdout.readline().strip()
+        address, node = head.stdout.readline().split()
+        yield address, node
     finally:
         head.terminate()  # ray.init's handler: shuts its cluster down
         try:
@@ -74,7 +78,7 @@ def cluster() -> Iterator[tuple[str, Path]]:
     # Short: Ray's socket paths under it must fit in 107 characters.
     records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     try:
-        with ray_cluster(records, {"FAULT_SLOW_DATA": f"{SLOW_FROM}:{ITERS * 24}:0.02"}) as address:
+        with ray_cluster(records, {"FAULT_SLOW_DATA": f"{SLOW_FROM}:{ITERS * 24}:0.02"}) as (address, _):
             yield address, records
     finally:
         shutil.rmtree(records, ignore_errors=True)
@@ -206,32 +210,113 @@ def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stoppe
     assert f"ray: received the report of step 20: loss {got[20]!r}" in out, out[-3000:]
 
 
-def test_sigterm_to_a_worker_saves_every_rank_at_one_step_and_ends_the_run(tmp_path, cluster):
-    """As SIGTERM to one rank under mpiexec (a node shutting down): the other rank learns of it
-    at the next step, both save that step, and the launcher exits 0."""
+@contextlib.contextmanager
+def ray_node(address: str, cpus: int, records: Path, resources: str = "{}") -> Iterator[None]:
+    """One more Ray node of this machine in ``address``'s cluster, as ``ray start`` on another
+    host joins it; removed (its processes killed) at the end. Its records go to a folder of its
+    own under ``records``, as on another host (in one folder, each node's log monitor would
+    pass every worker's lines to the driver)."""
+    env = {**cpu_env(), "RAY_AUTH_MODE": "disabled"}
+    own = tempfile.mkdtemp(prefix="n", dir=records)
+    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
+                             f"--num-cpus={cpus}", f"--resources={resources}", f"--temp-dir={own}",
+                             "--block"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert node.stdout is not None
+        for line in node.stdout:
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise AssertionError("the Ray node did not start")
+        threading.Thread(target=node.stdout.read, daemon=True).start()  # its pipe never fills
+        yield
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=60)
+
+
+def node_with(address: str, resource: str) -> str:
+    """The id of the live node that has ``resource``."""
+    proc = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1]); "
+                           "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and sys.argv[2] in "
+                           "n['Resources']])", address, resource], cwd=REPO,
+                          env={**cpu_env(), "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and len(proc.stdout.split()) == 1, proc.stdout + proc.stderr
+    return proc.stdout.strip()
+
+
+def test_a_preempted_node_saves_and_the_run_goes_on_elsewhere_until_a_worker_is_stopped(tmp_path):
+    """A preemption as Ray sees it (the cloud's or KubeRay's notice, ``ray start`` given
+    SIGTERM): Ray drains the node, ends its workers at the deadline without a signal and starts
+    the group on other nodes. Here the workers' node is drained with Ray's own command, as its
+    autoscaler does, and a replacement node joins: every rank saves at one step before the
+    deadline, the new group resumes from that save and computes the steps the first group had
+    run past it, bit for bit. Then SIGTERM to one worker, as to one rank under mpiexec (a node
+    shutting down): every rank saves at one step and the launcher exits 0. A cluster of its own
+    (a drained node leaves it)."""
     ckpt = tmp_path / "ckpt"
-    sent: list[int] = []
-    rank1: list[int] = []
+    records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    env = {**cpu_env(), "RAY_AUTH_MODE": "disabled"}
+    events: dict[str, Any] = {}
+    try:
+        # The head takes no workers: the launcher's own node stays while the workers' goes.
+        with ray_cluster(records, {}, num_cpus=0) as (address, _), \
+                ray_node(address, 2, records, '{"preemptible": 1}'), contextlib.ExitStack() as nodes:
+            preemptible = node_with(address, "preemptible")
 
-    def on_line(line: str, proc: subprocess.Popen) -> None:
-        if (pid := worker_pid(line, 1)) and not rank1:
-            rank1.append(pid)
-        if rank1 and not sent and (logged_step(line) or 0) >= 3:
-            os.kill(rank1[0], signal.SIGTERM)
-            sent.append(logged_step(line) or 0)
+            def on_line(line: str, proc: subprocess.Popen) -> None:
+                if "drain" not in events and (logged_step(line) or 0) >= 3:
+                    events["drain"] = subprocess.run(
+                        [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address,
+                         "--node-id", preemptible, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                         "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds",
+                         "6"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                    nodes.enter_context(ray_node(address, 2, records))  # the autoscaler's replacement
+                if (pid := worker_pid(line, 1)) and "drain" in events:
+                    events["rank1"] = pid  # of the group Ray started elsewhere
+                if "resumed from" in line:
+                    events["resumed"] = True
+                # The run went on elsewhere: end it with SIGTERM to one worker, as a node shutting
+                # down under mpiexec does; the other rank learns of it at the next step.
+                if "resumed" in events and "stop" not in events and "rank1" in events \
+                        and (logged_step(line) or 0) > 0:
+                    events["stop"] = logged_step(line) or 0
+                    os.kill(events["rank1"], signal.SIGTERM)
 
-    status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
-                          *recipe(tmp_path, "run", 200), f"checkpoint.dir={ckpt}",
-                          "checkpoint.save_interval=1000", "--num-workers", "2",
-                          "--report-interval", "1000", "--address", cluster[0]],
-                         {**cpu_env(), "RAY_AUTH_MODE": "disabled"}, on_line, timeout=300)
-    assert status == 0 and sent, out[-6000:]
+            status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
+                                  *recipe(tmp_path, "run", 2000), f"checkpoint.dir={ckpt}",
+                                  "checkpoint.save_interval=1000", "--num-workers", "2",
+                                  "--report-interval", "1000", "--address", address], env, on_line,
+                                 timeout=300)
+    finally:
+        shutil.rmtree(records, ignore_errors=True)
+    (tmp_path / "launcher.log").write_text(out)
+    drain = events.get("drain")
+    assert isinstance(drain, subprocess.CompletedProcess) and drain.returncode == 0, (drain, out[-6000:])
+    assert status == 0, out[-6000:]
+    saved = re.findall(rf"saving at step (\d+): Ray drains node {preemptible[:12]} \(ranks 0, 1; its "
+                       r"deadline is in \d+ s\)", out)
+    assert len(saved) == 1, out[-6000:]
+    step = int(saved[0])
+    assert f"saved checkpoint {ckpt}/step_{step:08d}" in out
+    assert re.search(rf"resumed from {ckpt}/step_{step:08d} at step {step}\b", out), out[-6000:]
+    # The new group recomputed the steps the first one had run past the save, bit for bit.
+    records_ = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    first: dict[int, float] = {}
+    again: dict[int, float] = {}
+    for r in records_:
+        (again if r["step"] in first and r["step"] > step else first).setdefault(r["step"], r["loss"])
+    assert again, "the first group ran no step past the save before the deadline"
+    assert {s: first[s] for s in again} == again
+    # SIGTERM to a worker: every rank saved the step it reached, and the run ended with status 0.
     stop = re.findall(r"stopping at step (\d+): signal received by another rank", out)
     assert len(stop) == 1, out[-6000:]
     last = int(stop[0])
-    assert sent[0] <= last < 200
+    assert events["stop"] <= last < 2000
     assert (ckpt / "latest").read_text().strip() == f"step_{last:08d}"
-    assert sorted(losses(read_metrics(tmp_path / "run"))) == list(range(1, last + 1))
+    assert records_[-1]["step"] == last
 
 
 @pytest.mark.parametrize("args,says", [

@@ -30,7 +30,7 @@ def test_the_clock_starts_at_the_launcher_start(monkeypatch):
     ctl = _control(10)
     assert ctl.time_left() == pytest.approx(-60, abs=5)
     assert ctl.decide(tuple(ctl.flags())).stop == "training.exit_duration_mins=10.0 reached"
-    assert _control(15).decide((False, False, False)).stop is None
+    assert _control(15).decide((False, False, False, False)).stop is None
 
 
 def test_the_clock_starts_at_the_process_start_without_a_launcher(monkeypatch):
