@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
         p.error(f"--report-interval {args.report_interval}: must be at least 1")
 
     from megatron_lite.config import ConfigError, load_config
-    from megatron_lite.training.ray_train import RayNotInstalled, WorkerSpec, fit, worker_environment
+    from megatron_lite.launch.ray_spec import WorkerSpec, worker_environment
+    from megatron_lite.launch.ray_train import RayNotInstalled, fit
 
     device = "cuda" if args.gpu else "hpu" if args.hpu else "cpu"
     try:  # the recipe is checked here, before any worker starts

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 
@@ -26,6 +26,15 @@ class LaunchEnv:
     launcher: str
     local_world_size: int = 1
     """Ranks on this node (the default HSDP shard group)."""
+
+    def export(self, environ: MutableMapping[str, str] = os.environ) -> None:
+        """Write this rank's place as torchrun would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): what torch.distributed and
+        DeepSpeed read, whichever launcher started the process."""
+        for key, value in {"RANK": self.rank, "LOCAL_RANK": self.local_rank, "WORLD_SIZE": self.world_size,
+                           "LOCAL_WORLD_SIZE": self.local_world_size, "MASTER_ADDR": self.master_addr,
+                           "MASTER_PORT": self.master_port}.items():
+            environ[key] = str(value)
 
 
 def _first_host(env: Mapping[str, str]) -> str | None:

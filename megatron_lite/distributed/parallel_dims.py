@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -318,9 +317,7 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     devmod.set_matmul_precision(acc, cfg.training.tf32)
     if acc.device_name() == "cpu" and cfg.training.cpu_retain_freed_memory:
         devmod.retain_freed_host_memory()
-    for key, value in {"RANK": env.rank, "LOCAL_RANK": env.local_rank, "WORLD_SIZE": env.world_size,
-                       "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}.items():
-        os.environ[key] = str(value)
+    env.export()
     if acc.device_name() != "cpu":
         acc.set_device(env.local_rank)
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)

@@ -10,14 +10,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_lite.training.ray_train import (
-    WorkerSpec,
-    is_secret,
-    ray_setup,
-    rendezvous_host,
-    take_secrets,
-    worker_environment,
-)
+from megatron_lite.launch.ray_rendezvous import rendezvous_host
+from megatron_lite.launch.ray_spec import WorkerSpec, is_secret, ray_setup, take_secrets, worker_environment
 
 
 def test_an_hpu_worker_gets_gaudi_sh_settings_and_the_habana_variables():
