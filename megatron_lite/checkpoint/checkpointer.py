@@ -34,7 +34,12 @@ from megatron_lite.checkpoint.shards import (
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
-from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, raise_together
+from megatron_lite.distributed.collectives import (
+    all_gather_object,
+    broadcast_object,
+    on_one_rank_then_all,
+    raise_together,
+)
 from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
@@ -88,6 +93,12 @@ class Loaded:
     path: Path
 
 
+def as_checkpoint_error(context: str) -> Callable[[Exception], BaseException]:
+    """For ``on_one_rank_then_all``'s ``fail``: a ``CheckpointError`` stays as it is; any other
+    failure becomes one, ``CONTEXT: error``."""
+    return lambda e: e if isinstance(e, CheckpointError) else CheckpointError(f"{context}: {e}")
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, dims: ParallelDims, acc, engine, model_cfg: ModelConfig,
                  log: Callable[[str], None]):
@@ -101,16 +112,13 @@ class Checkpointer:
     def claim(self) -> None:
         """Collective, before the first load or save: rank 0 locks the directory for this run
         and, under ``checkpoint.resume=false``, refuses one holding another run's checkpoints."""
-        error = None
-        if self.dims.rank == 0:
-            try:
-                self._lock, warning = store.claim(self.root, fresh=not self.cfg.checkpoint.resume)
-                if warning:
-                    self.log(warning)
-            except (CheckpointError, OSError) as e:
-                error = e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"cannot use checkpoint.dir {self.root}: {e}")
-        raise_together(error, self.dims, "claiming the checkpoint directory")
+        def take() -> None:
+            self._lock, warning = store.claim(self.root, fresh=not self.cfg.checkpoint.resume)
+            if warning:
+                self.log(warning)
+
+        on_one_rank_then_all(take, self.dims, "claiming the checkpoint directory",
+                             fail=as_checkpoint_error(f"cannot use checkpoint.dir {self.root}"))
 
     def _topology(self) -> dict:
         d = self.dims
@@ -172,15 +180,13 @@ class Checkpointer:
             raise RuntimeError("a background save is still in flight: call wait() first")
         root, rank = self.root, self.dims.rank
         tmp = root / f".tmp-{store.step_name(step)}"
-        error: BaseException | None = None
-        if rank == 0:
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-            except OSError as e:
-                error = CheckpointError(f"cannot create {tmp}: {e}")
-        raise_together(error, self.dims, "creating the checkpoint directory")
+        def make() -> None:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+        on_one_rank_then_all(make, self.dims, "creating the checkpoint directory",
+                             fail=as_checkpoint_error(f"cannot create {tmp}"))
         try:
             snapshot, error_text = self._rank_state(step, extra), None
         except Exception as e:  # reported on every rank by _write_and_commit
@@ -397,45 +403,49 @@ class Checkpointer:
     def rollback_history(self, resuming: bool) -> list[dict]:
         """Collective. The rollbacks recorded with the checkpoints (``store.ROLLBACKS``), the
         same on every rank; on a fresh start an old history is set aside and [] returned."""
-        records, error = [], None
-        if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
-            try:
-                if resuming:
-                    records = store.read_rollbacks(self.root)
-                elif (old := store.set_aside_rollbacks(self.root)) is not None:
-                    self.log(f"{self.root / store.ROLLBACKS} from an earlier run moved to {old}")
-            except (CheckpointError, OSError) as e:
-                error = e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"cannot read or move the rollback history in {self.root}: {e}")
-        raise_together(error, self.dims, "reading the rollback history")
-        return broadcast_object(records, self.dims, "the rollback history")
+        def read() -> list[dict]:
+            if self.root is None or not self.root.is_dir():
+                return []
+            if resuming:
+                return store.read_rollbacks(self.root)
+            if (old := store.set_aside_rollbacks(self.root)) is not None:
+                self.log(f"{self.root / store.ROLLBACKS} from an earlier run moved to {old}")
+            return []
+
+        return on_one_rank_then_all(
+            read, self.dims, "reading the rollback history", share=True,
+            fail=as_checkpoint_error(f"cannot read or move the rollback history in {self.root}"))
 
     def record_rollback(self, record: dict) -> None:
         """Collective, before anything is moved or reloaded: rank 0 adds ``record`` to the
         history kept with the checkpoints, so the skipped data window and the rollback count
         survive a crash and a changed ``logging.dir``."""
-        error = None
-        if self.dims.rank == 0:
-            try:
-                store.append_rollback(self.root, record)
-            except (CheckpointError, OSError) as e:
-                error = CheckpointError(f"cannot record the rollback in {self.root / store.ROLLBACKS}: {e}")
-        raise_together(error, self.dims, "recording the rollback")
+        assert self.root is not None
+        history = self.root / store.ROLLBACKS
+        on_one_rank_then_all(
+            lambda: store.append_rollback(self.root, record), self.dims, "recording the rollback",
+            fail=lambda e: CheckpointError(f"cannot record the rollback in {history}: {e}"))
 
     def rollback_target(self, newest_step: int) -> tuple[Path, int, int] | None:
         """Collective. The newest committed, verified checkpoint at or before ``newest_step``:
         its path, step and data position."""
-        candidates = []
-        if self.dims.rank == 0 and self.root is not None and self.root.is_dir():
+        def listed() -> list[tuple[Path, dict]]:
+            out = []
+            if self.root is None or not self.root.is_dir():
+                return out
             for path in store.committed_steps(self.root):
                 try:
                     manifest = store.read_manifest(path, store.RESUME_SECTIONS)
-                except Exception as e:  # rank 0 alone: never leave the others in the broadcast
+                except Exception as e:  # one unreadable checkpoint: the others may do
                     self.log(f"warning: not rolling back to {path}: {e}")
                     continue
                 if manifest["step"] <= newest_step:
-                    candidates.append((path, manifest))
-        candidates = broadcast_object(candidates, self.dims, "the rollback candidates")
+                    out.append((path, manifest))
+            return out
+
+        candidates = on_one_rank_then_all(
+            listed, self.dims, "listing the rollback candidates", share=True,
+            fail=as_checkpoint_error(f"cannot list the checkpoints in {self.root}"))
         found = self._first_valid(candidates, strict=False, required=False)
         if found is None:
             return None
@@ -445,33 +455,24 @@ class Checkpointer:
     def abandon_after(self, path: Path, reason: str) -> list[Path]:
         """Collective. Make ``path`` the latest checkpoint: newer ones are moved (not deleted)
         to ``abandoned/`` so neither a resume nor retention picks them up."""
-        moved, error = [], None
-        if self.dims.rank == 0:
-            try:
-                moved = store.abandon_after(self.root, path, reason)
-            except OSError as e:
-                error = CheckpointError(f"cannot move checkpoints newer than {path} aside: {e}")
-        raise_together(error, self.dims, "moving newer checkpoints aside")
-        return broadcast_object(moved, self.dims, "the moved checkpoints")
+        return on_one_rank_then_all(
+            lambda: store.abandon_after(self.root, path, reason), self.dims,
+            "moving newer checkpoints aside", share=True,
+            fail=as_checkpoint_error(f"cannot move checkpoints newer than {path} aside"))
 
     def load(self, target: Path | None = None) -> Loaded | None:
         """Collective. Loads the checkpoint to resume from (``target``: that one, already
         verified by ``rollback_target``) and returns what the trainer needs of it; None for a
         fresh start."""
-        candidates, error = [], None
-        if self.dims.rank == 0:
-            try:
-                if target is not None:
-                    candidates = [(target, store.read_manifest(target, store.RESUME_SECTIONS))]
-                else:
-                    candidates = self._candidates()
-            except CheckpointError as e:
-                error = e
-            except Exception as e:  # rank 0 alone: reported on every rank by raise_together
-                error = CheckpointError(f"choosing the checkpoint in {self.root} failed: "
-                                        f"{type(e).__name__}: {e}")
-        raise_together(error, self.dims, "choosing the checkpoint to load")
-        candidates = broadcast_object(candidates, self.dims, "the checkpoints to load from")
+        def choices() -> list[tuple[Path, dict]]:
+            if target is not None:
+                return [(target, store.read_manifest(target, store.RESUME_SECTIONS))]
+            return self._candidates()
+
+        candidates = on_one_rank_then_all(
+            choices, self.dims, "choosing the checkpoint to load", share=True,
+            fail=lambda e: e if isinstance(e, CheckpointError) else CheckpointError(
+                f"choosing the checkpoint in {self.root} failed: {type(e).__name__}: {e}"))
         if target is not None:
             chosen = candidates[0]
         else:
@@ -479,13 +480,9 @@ class Checkpointer:
         if chosen is None:
             return None
         path, manifest = chosen
-        error = None
-        if self.dims.rank == 0:
-            try:
-                self._check_architecture(manifest, path)
-            except CheckpointError as e:
-                error = e
-        raise_together(error, self.dims, "checking the checkpoint's model")
+        on_one_rank_then_all(lambda: self._check_architecture(manifest, path), self.dims,
+                             "checking the checkpoint's model",
+                             fail=as_checkpoint_error(f"checking {path}'s model failed"))
         states = {}
         error = None
         same_layout = self._topology() == manifest["topology"]

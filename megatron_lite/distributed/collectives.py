@@ -131,24 +131,32 @@ def _same_kind(module: str, name: str, message: str) -> BaseException:
     return made if isinstance(made, BaseException) and str(made) == message else RuntimeError(message)
 
 
-def on_one_rank_then_all(fn: Callable[[], None], dims: ParallelDims, what: str,
-                         per_node: bool = False, long_wait: bool = False) -> None:
-    """Host, control group: ``fn`` on rank 0 (or, with ``per_node``, on local rank 0 of every
-    node: node-local disks) while the others wait, up to the control group's timeout, or with
-    ``long_wait`` the setup group's (``distributed.setup_timeout_minutes``); if it fails,
-    every rank raises."""
+def on_one_rank_then_all(fn: Callable[[], T], dims: ParallelDims, what: str, *, share: bool = False,
+                         fail: Callable[[Exception], BaseException] | None = None,
+                         per_node: bool = False, long_wait: bool = False) -> T | None:
+    """Host, control group: the agree-or-fail pattern of work one rank does for all (a file
+    read, a directory made). ``fn`` runs on rank 0 (or, with ``per_node``, on local rank 0 of
+    every node: node-local disks) while the others wait, up to the control group's timeout, or
+    with ``long_wait`` the setup group's (``distributed.setup_timeout_minutes``). If it fails,
+    every rank raises (its error through ``fail``, which turns it into the caller's error type,
+    when given); else, with ``share``, every rank returns rank 0's result, without it rank 0
+    alone does (None elsewhere)."""
+    if share and per_node:
+        raise ValueError("a per-node result has no one rank to share it from")
+    result: T | None = None
     error: BaseException | None = None
     if (dims.local_rank if per_node else dims.rank) == 0:
         try:
-            fn()
+            result = fn()
         except Exception as e:  # re-raised by raise_together, on every rank
-            error = e
+            error = e if fail is None else fail(e)
     g = dims.group("setup")
     if g is not None and long_wait:
         # The waiting ranks may wait longer than a collective should (a large corpus is being
         # indexed): in the group whose timeout is that long.
         _agree(f"waiting for {what}", lambda: dist.barrier(group=g))
     raise_together(error, dims, what)
+    return broadcast_object(result, dims, what) if share else result
 
 
 def on_every_rank(fn: Callable[[], T], dims: ParallelDims, what: str) -> T:

@@ -23,12 +23,7 @@ from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.collectives import (
-    broadcast_object,
-    mean_over_ranks,
-    on_every_rank,
-    raise_together,
-)
+from megatron_lite.distributed.collectives import mean_over_ranks, on_every_rank, on_one_rank_then_all
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
 from megatron_lite.model.flops import mfu
@@ -110,14 +105,8 @@ class Trainer:
             if self.cfg.checkpoint.resume:
                 loaded = self.checkpointer.load()
         extra = loaded.extra if loaded is not None and loaded.extra else {}
-        log, error = None, None
-        if self.dims.is_main:  # rank 0 reads; a bad file stops every rank, not rank 0 alone
-            try:
-                log = self.spikes.read_log()
-            except Exception as e:
-                error = e
-        raise_together(error, self.dims, "reading the spike log")
-        log = broadcast_object(log, self.dims, "the spike log")
+        # Rank 0 reads; a bad file stops every rank, not rank 0 alone.
+        log = on_one_rank_then_all(self.spikes.read_log, self.dims, "reading the spike log", share=True)
         history = (self.checkpointer.rollback_history(resuming=loaded is not None)
                    if self.checkpointer is not None else [])
         # Rank 0 cuts spikes.jsonl back (or moves an old one aside): a failure stops every rank.
