@@ -46,7 +46,7 @@ MUTATIONS = [
              '"zero_optimization": {"stage": min(cfg.parallel.deepspeed_zero_stage, 1)}',
              ("tests/distributed/test_layouts.py::test_layout_matches_single_process[dp2-zero2]",)),
     Mutation("resume-rng", "a resume restores the random state (dropout) bit for bit",
-             "megatron_lite/checkpoint/checkpointer.py",
+             "megatron_lite/checkpoint/load.py",
              'if same_layout and own is not None and own["rng"] is not None:', "if False:",
              ("tests/distributed/test_checkpoint.py::test_resume_after_kill_is_bitwise_exact[one-process]",)),
     Mutation("latest-before-commit", "`latest` moves only once its checkpoint is complete and in place",

@@ -86,3 +86,34 @@ class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
         self.base_lrs = [schedule.lr] * len(self.optimizer.param_groups)
         self.last_epoch -= 1
         self.step()  # the same step again: sets the optimizer's rates (and get_last_lr) anew
+
+
+class ScheduleMismatch(ValueError):
+    """A resumed checkpoint's schedule and the recipe's disagree, and ``schedule.on_resume``
+    does not say which to follow."""
+
+
+def schedule_to_follow(saved: dict | None, running: LRSchedule, step: int, source: str, mode: str,
+                       log) -> LRSchedule:
+    """The learning-rate schedule a resumed run goes on with: the running one (the recipe's),
+    unless the checkpoint's (``saved``, from ``source``) gives another rate at some step still
+    to come; then ``mode`` (``schedule.on_resume``) decides, as Megatron-LM's
+    --use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler do: ``checkpoint``
+    or ``recipe``; by default (``check``) the run is refused rather than mix two schedules.
+    Every rank reads the same rank-0 state, so every rank decides alike."""
+    if saved is None:
+        return running
+    theirs = LRSchedule(**saved)
+    if theirs == running or theirs.same_rates_from(running, step):
+        return running  # no step from here on would get another rate
+    diff = "; ".join(theirs.differences(running))
+    if mode == "check":
+        raise ScheduleMismatch(
+            f"the recipe's learning-rate schedule differs from {source}'s ({diff}): set "
+            "schedule.on_resume=checkpoint to continue the checkpoint's schedule, or "
+            f"schedule.on_resume=recipe to switch to the recipe's from step {step} (the rate goes "
+            f"from {theirs.at(step):.4g} to {running.at(step):.4g})")
+    chosen = theirs if mode == "checkpoint" else running
+    log(f"learning-rate schedule: the {mode}'s from step {step} (schedule.on_resume={mode}; "
+        f"checkpoint -> recipe: {diff}); next rate {chosen.at(step):.4g}")
+    return chosen

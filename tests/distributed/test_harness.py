@@ -91,8 +91,8 @@ def test_one_process_takes_every_collective_path_of_two(tmp_path):
             assert {c["role"] for c in rep["calls"]} <= {HOST_ROLE, DEVICE_ROLE}
     sites = {site for _, _, site in paths[2]}
     for expected in ("training/run.py:_run_on_groups", "training/step_report.py:start",
-                     "training/trainer.py:_train_record", "checkpoint/checkpointer.py:_write_and_commit",
-                     "checkpoint/checkpointer.py:load", "checkpoint/checkpointer.py:save"):
+                     "training/trainer.py:_train_record", "checkpoint/save.py:_write_and_commit",
+                     "checkpoint/load.py:load", "checkpoint/save.py:save"):
         assert expected in sites, (expected, sorted(sites))
     assert paths[1] == paths[2], {"only with 2": sorted(paths[2] - paths[1]),
                                   "only with 1": sorted(paths[1] - paths[2])}

@@ -35,7 +35,8 @@ def _chooser(root, *overrides):
 
 def _choose(chooser):
     """What ``Checkpointer.load`` chooses, on one process."""
-    return chooser._first_valid(chooser._candidates(), strict=not chooser.cfg.checkpoint.load_fallback)
+    return chooser.reader.first_valid(chooser.reader._candidates(),
+                                      strict=not chooser.ctx.cfg.checkpoint.load_fallback)
 
 
 def test_commit_writes_manifest_and_latest(tmp_path):
@@ -120,7 +121,7 @@ def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
     chooser, _ = _chooser(tmp_path, "checkpoint.keep_last=3", "checkpoint.keep_every=4")
     for step in range(1, 11):
         _save(tmp_path, step, payload=b"")
-        chooser._apply_retention(step)
+        chooser.writer._apply_retention(step)
     assert sorted(p.name for p in store.committed_steps(tmp_path)) == [
         "step_00000004", "step_00000008", "step_00000009", "step_00000010"]
     assert store.retained([1, 2, 3], keep_last=1, keep_every=0, protect={2}) == {2, 3}
@@ -190,7 +191,7 @@ def test_copies_beside_the_checkpoints_are_neither_loaded_nor_retained_away(tmp_
     assert [p.name for p in store.committed_steps(tmp_path)] == [
         "step_00000008", "step_00000006", "step_00000004", "step_00000002"]
     keeper, messages = _chooser(tmp_path, "checkpoint.keep_last=2")
-    keeper._apply_retention(8)  # rank 0 between two collectives: must not raise
+    keeper.writer._apply_retention(8)  # rank 0 between two collectives: must not raise
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
         "step_00000004.bak", "step_00000006", "step_00000008", "step_00000009-old"]
     (tmp_path / "latest").write_text("step_00000004.bak\n")
@@ -287,18 +288,18 @@ def test_architecture_check_names_differences_and_reads_older_manifests(tmp_path
     from megatron_lite.model import resolve_model
 
     chooser, _ = _chooser(tmp_path)
-    model = resolve_model(chooser.cfg.model, 65, chooser.cfg.data.seq_length)
-    chooser.model_cfg = model
-    manifest = {"model": architecture(model), "data": {"seq_length": chooser.cfg.data.seq_length}}
-    chooser._check_architecture(manifest, tmp_path)  # the same model
+    model = resolve_model(chooser.ctx.cfg.model, 65, chooser.ctx.cfg.data.seq_length)
+    chooser.ctx.model_cfg = model
+    manifest = {"model": architecture(model), "data": {"seq_length": chooser.ctx.cfg.data.seq_length}}
+    chooser.reader._check_architecture(manifest, tmp_path)  # the same model
     older = dict(manifest["model"])
     del older["rope_theta"]  # written before the field was recorded: it had its default
     assert model.rope_theta == type(model)().rope_theta
-    chooser._check_architecture({**manifest, "model": older}, tmp_path)
+    chooser.reader._check_architecture({**manifest, "model": older}, tmp_path)
     older["n_layers"] = model.n_layers + 1
     with pytest.raises(CheckpointError, match=f"model.n_layers: checkpoint {model.n_layers + 1}, "
                                               f"recipe {model.n_layers}"):
-        chooser._check_architecture({**manifest, "model": older}, tmp_path)
+        chooser.reader._check_architecture({**manifest, "model": older}, tmp_path)
 
 
 def _with_files(root, step, names):
@@ -361,7 +362,7 @@ def test_a_fragment_larger_than_its_file_is_refused_before_it_is_read(tmp_path):
     from megatron_lite.model import resolve_model
 
     chooser, _ = _chooser(tmp_path)
-    chooser.model_cfg = resolve_model(chooser.cfg.model, 65, chooser.cfg.data.seq_length)
+    chooser.ctx.model_cfg = resolve_model(chooser.ctx.cfg.model, 65, chooser.ctx.cfg.data.seq_length)
     huge = torch.zeros(1).expand(1 << 20)
     state = {"rank": 0, "rng": None, "trainer": None,
              "fragments": [_fragment(slice_shape=(1 << 20,), values=huge)]}
@@ -369,8 +370,8 @@ def test_a_fragment_larger_than_its_file_is_refused_before_it_is_read(tmp_path):
     tmp.mkdir()
     files = [store.write_rank_file(tmp, 0, state)]
     store.commit(tmp_path, tmp, {"format": store.FORMAT_VERSION, "step": 3, "files": files, **RESUMABLE,
-                                 "model": architecture(chooser.model_cfg),
-                                 "data": {"seq_length": chooser.cfg.data.seq_length}})
+                                 "model": architecture(chooser.ctx.model_cfg),
+                                 "data": {"seq_length": chooser.ctx.cfg.data.seq_length}})
     with pytest.raises(CheckpointError, match=r"step_00000003/rank_00000.pt: fragment of 'w' records "
                                               r"4194304 bytes, more than its file's \d+"):
         chooser.load()
