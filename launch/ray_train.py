@@ -10,10 +10,12 @@ distributed.master_addr, when that is an address of this node (otherwise ignored
 warning), else at loopback when every worker is on that node, else at the address the node
 registered with Ray. With checkpoint.dir and checkpoint.save_on_signal, SIGTERM or SIGUSR1 to
 this launcher or to a worker saves a checkpoint at the next step on every rank and ends the run
-with status 0. Secret variables (*_API_KEY, *_TOKEN, *SECRET*, *_PASSWORD) reach the workers
-through a private file (in TMPDIR, removed at exit), never through Ray's runtime_env. Ray's
-records of the run go under checkpoint.dir/ray. Exit status: 0 when the run finished as asked
-or was stopped with a save; otherwise non-zero with a one-line reason (see docs/launch.md).
+with status 0; when Ray drains a node of the run (a preemption), every rank saves and training
+goes on until Ray restarts the workers elsewhere, from that save. Secret variables (*_API_KEY,
+*_TOKEN, *SECRET*, *_PASSWORD) reach the workers through a private file (in TMPDIR, removed at
+exit), never through Ray's runtime_env. Ray's records of the run go under checkpoint.dir/ray.
+Exit status: 0 when the run finished as asked or was stopped with a save; otherwise non-zero
+with a one-line reason (see docs/launch.md).
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ def main(argv: list[str]) -> int:
         p.error(f"--num-workers {args.num_workers}: must be at least 1")
     if args.report_interval is not None and args.report_interval < 1:
         p.error(f"--report-interval {args.report_interval}: must be at least 1")
+    if args.max_failures < 0:
+        p.error(f"--max-failures {args.max_failures}: must be 0 or more")
+    if not args.cpus_per_worker > 0:
+        p.error(f"--cpus-per-worker {args.cpus_per_worker:g}: must be more than 0")
 
     from megatron_lite.config import ConfigError, load_config
     from megatron_lite.launch.ray_spec import WorkerSpec, worker_environment
-    from megatron_lite.launch.ray_train import RayNotInstalled, fit
+    from megatron_lite.launch.ray_train import RayNotInstalled, RayNotReached, fit
 
     device = "cuda" if args.gpu else "hpu" if args.hpu else "cpu"
     try:  # the recipe is checked here, before any worker starts
@@ -87,7 +93,7 @@ def main(argv: list[str]) -> int:
         return fit(spec, args.num_workers, cfg.checkpoint.dir, name, address=args.address,
                    max_failures=args.max_failures, cpus_per_worker=args.cpus_per_worker,
                    save_on_signal=bool(cfg.checkpoint.dir) and cfg.checkpoint.save_on_signal)
-    except RayNotInstalled as e:
+    except (RayNotInstalled, RayNotReached) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

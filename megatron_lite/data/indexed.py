@@ -135,11 +135,18 @@ class IndexedDataset:
         idx = np.memmap(f"{prefix}.idx", dtype=np.uint8, mode="r")
         if bytes(idx[:9]) != HEADER:
             raise ValueError(f"'{prefix}.idx' is not an MMIDIDX index (bad header)")
+        if idx.size < 34:
+            raise ValueError(f"'{prefix}.idx' is truncated ({idx.size} bytes, shorter than its header): "
+                             "rebuild it")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(idx[9:34]))
         if version != 1 or code not in DTYPE_CODES:
             raise ValueError(f"'{prefix}.idx': unsupported version {version} or dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         offset = 34
+        if idx.size < offset + 12 * n_seq + 8 * n_doc:
+            raise ValueError(f"'{prefix}.idx' is truncated ({idx.size} bytes; its header describes "
+                             f"{n_seq} sequences and {n_doc - 1 if n_doc else 0} documents, "
+                             f"{offset + 12 * n_seq + 8 * n_doc} bytes): rebuild it")
         self.lengths = np.frombuffer(idx, np.int32, n_seq, offset)
         offset += 4 * n_seq
         self.pointers = np.frombuffer(idx, np.int64, n_seq, offset)
@@ -174,6 +181,16 @@ class IndexedDataset:
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.size)
+
+    def sampled_max_id(self, windows: int = 16, window_tokens: int = 1 << 16) -> int | None:
+        """The largest token id in ``windows`` evenly spaced stretches of the tokens (a few MB
+        read whatever the corpus's size), None for an empty dataset: a dataset built with a
+        larger tokenizer than the run's shows ids beyond its vocabulary in any such sample."""
+        n = self.n_tokens
+        if n == 0:
+            return None
+        starts = np.unique(np.linspace(0, max(n - window_tokens, 0), windows).astype(np.int64))
+        return max(int(np.asarray(self.tokens[s:s + window_tokens]).max()) for s in starts)
 
 
 def merge(prefixes: list[str], output_prefix: str, chunk_tokens: int = 1 << 24) -> tuple[int, int]:

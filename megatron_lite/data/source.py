@@ -76,6 +76,18 @@ def _split_dataset(cfg: DataConfig, split: int, num_samples: int, build: bool):
     return BlendedSamples(parts, which, nth)
 
 
+def check_token_ids(prefix: str, vocab_size: int, tokenizer: str) -> None:
+    """Refuse a dataset built with another tokenizer than the run's: its ids beyond the
+    vocabulary would index past the embedding (an IndexError on CPU, a device-side assert on a
+    GPU) steps into the run."""
+    top = IndexedDataset(prefix).sampled_max_id()
+    if top is not None and top >= vocab_size:
+        raise ValueError(f"'{prefix}' holds token id {top}, but the tokenizer ({tokenizer}) has "
+                         f"{vocab_size} ids: the dataset was built with another tokenizer; rebuild it "
+                         "with this one (tools/preprocess_data.py) or set data.tokenizer to the one "
+                         "it was built with")
+
+
 def build_data(cfg: DataConfig, train_samples: int, valid_samples: int,
                pin_memory: bool = False, build: bool = True) -> DataSource:
     """Tokenizer and the train/validation datasets sized for the run. Sample indices are loaded
@@ -83,5 +95,8 @@ def build_data(cfg: DataConfig, train_samples: int, valid_samples: int,
     datasets must exist: see ``ensure_dataset``."""
     assert cfg.tokenizer.model is not None
     tokenizer = load_tokenizer(cfg.tokenizer.type, cfg.tokenizer.model)
+    if build:  # once per run (the rank that builds the indices), before any sample is read
+        for prefix in [cfg.prefix] if cfg.prefix else [e.prefix for e in cfg.blend]:
+            check_token_ids(prefix, tokenizer.vocab_size, f"{cfg.tokenizer.type} {cfg.tokenizer.model}")
     return DataSource(tokenizer, _split_dataset(cfg, 0, train_samples, build),
                       _split_dataset(cfg, 1, valid_samples, build), cfg.num_workers, pin_memory)

@@ -63,9 +63,9 @@ class StopRequest:
 
 def follow_launcher(stop: Any, rank: int) -> None:
     """On a worker: take the launcher's requests at this rank's next step boundary, a stop (the
-    loop saves and ends) or a save (it saves and goes on). Until the loop runs (the workers are
-    still starting) a request is repeated, so a run stopped while starting saves at its first
-    step."""
+    loop saves and ends) or, on rank 0, a save (every rank saves and goes on). Until the loop
+    runs (the workers are still starting) a request is repeated, so a run stopped while
+    starting saves at its first step."""
     import ray
 
     from megatron_lite.training.control import request_save, request_stop
@@ -83,7 +83,10 @@ def follow_launcher(stop: Any, rank: int) -> None:
                     take(request_stop, reason)
                     return
                 seen += len(saves)
-                for why in saves:
+                # Rank 0 alone asks: the step report ORs its flag into every rank's, so all save
+                # at one step. Were each rank to ask, a request reaching two ranks on either side
+                # of a step boundary would make two saves.
+                for why in saves if rank == 0 else []:
                     take(request_save, why)
         except Exception:  # the launcher is gone: Ray ends this worker itself
             return
@@ -133,7 +136,7 @@ def watch_drains(stop: Any, on_drain: Any, done: threading.Event,
                     emit_line("warning: this Ray does not say which nodes it drains: a preempted "
                               "node loses the steps since the last save", sys.stderr)
                     return
-                if not draining.keys() - {node for node, _ in told}:
+                if not set(draining.items()) - told:
                     continue
                 placed = ray.get(stop.nodes.remote(), timeout=30)
             except Exception as e:  # Ray itself is going away: fit() reports that

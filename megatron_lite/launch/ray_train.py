@@ -40,6 +40,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import sys
 import threading
 from dataclasses import asdict
@@ -62,6 +63,10 @@ worker groups), as tested; setup.py's ``ray`` extra."""
 
 class RayNotInstalled(RuntimeError):
     """Ray (or Ray Train) is missing from this environment."""
+
+
+class RayNotReached(RuntimeError):
+    """``--address`` names no Ray cluster this machine reaches."""
 
 
 def import_ray():
@@ -192,7 +197,17 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
     watching = threading.Event()  # set: the drain watch ends
     try:
         # Without an address: a cluster of this machine alone, whose workers meet on loopback.
-        ray.init(address=address, runtime_env=setup.runtime_env)
+        if address and (problem := unreachable(address)):
+            raise RayNotReached(f"--address {address}: no Ray cluster reached ({problem}); start "
+                                "one with `ray start --head`, or leave out --address to start one "
+                                "of this machine alone")
+        try:
+            ray.init(address=address, runtime_env=setup.runtime_env)
+        except ConnectionError as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RayNotReached(f"--address {address}: no Ray cluster reached ({first}); start one "
+                                "with `ray start --head`, or leave out --address to start one of "
+                                "this machine alone") from None
         config: dict[str, Any] = asdict(setup.spec)
         if save_on_signal:
             stop = ray.remote(num_cpus=0)(StopRequest).options(
@@ -241,6 +256,20 @@ def fit(spec: WorkerSpec, num_workers: int, checkpoint_dir: str | None, run_name
         print(f"ray: stopped by {stopped[0]}; the checkpoint of the last step is in {checkpoint_dir} "
               "(run the same command again to resume)", file=sys.stderr)
     return 0
+
+
+def unreachable(address: str, timeout: float = 10.0) -> str | None:
+    """Why a ``HOST:PORT`` address takes no connection, or None (also for addresses that are
+    not of that form: ``auto``, ``ray://...``). Ray itself retries an address nobody listens
+    on for minutes before it gives up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

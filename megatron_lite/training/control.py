@@ -86,8 +86,9 @@ def request_stop(reason: str) -> bool:
 def request_save(reason: str) -> bool:
     """Ask this process's training loop to save at its next step boundary and go on (a Ray node
     about to be preempted: Ray restarts the workers elsewhere, and they resume from that save).
-    Every rank saves at the same step as soon as one rank has the request. Thread-safe as
-    ``request_stop``, and False in the same cases."""
+    Every rank saves at the same step as soon as one rank has the request: ask on one rank only
+    (a request reaching two ranks on either side of a step boundary would save twice).
+    Thread-safe as ``request_stop``, and False in the same cases."""
     control = _listener
     if control is None:
         return False
@@ -167,8 +168,7 @@ class RunControl:
         why_asked = None
         if asked:
             why_asked = self.save_asked or "a save asked for on another rank"
-            # Taken: a request that reaches this rank after this step asks for a second save.
-            self.save_asked = None
+            self.save_asked = None  # taken
         stop = None
         if got_signal:
             # A stop that is not a signal (a Ray node's drain) says what it is.

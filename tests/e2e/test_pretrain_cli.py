@@ -1,6 +1,7 @@
 """pretrain.py as a user runs it: a subprocess from the repository root."""
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -151,6 +152,30 @@ def test_missing_dataset_is_a_one_line_error(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "preprocess_data.py" in proc.stderr.strip().splitlines()[-1]
     assert "groups left: False" in proc.stdout
+
+
+def test_a_dataset_built_with_another_tokenizer_is_one_line_before_training(tmp_path):
+    """Ids from a 500-id tokenizer under shakespeare-char's 65 characters would index past the
+    embedding steps into the run (an IndexError traceback on CPU, a device-side assert on a
+    GPU): refused before the model is built, naming both sizes."""
+    import numpy as np
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    chars = tmp_path / "chars.json"
+    chars.write_text(json.dumps([chr(c) for c in range(32, 32 + 65)]))
+    writer = IndexedDatasetWriter(tmp_path / "bpe_text_document", np.dtype(np.uint16))
+    rng = np.random.default_rng(0)
+    writer.add_documents([rng.integers(0, 500, 3000) for _ in range(40)])
+    writer.finalize()
+    proc = subprocess.run([sys.executable, "pretrain.py", RECIPE, f"data.prefix={tmp_path}/bpe_text_document",
+                           "data.build_from=null", f"data.tokenizer.model={chars}", "training.iters=2",
+                           f"logging.dir={tmp_path}/run"], cwd=REPO, env=cpu_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "holds token id 499, but the tokenizer (char " in last and "has 65 ids" in last, last
+    assert "Traceback" not in proc.stderr
 
 
 def test_shakespeare_char_learns(tmp_path):

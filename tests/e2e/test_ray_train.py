@@ -323,6 +323,11 @@ def test_a_preempted_node_saves_and_the_run_goes_on_elsewhere_until_a_worker_is_
     (["training.itres=5", "--num-workers", "2"], "training.itres"),
     (["--num-workers", "2"], "training.global_batch_size=12 is not a multiple"),  # the layout for 2
     (["--num-workers", "0"], "--num-workers 0: must be at least 1"),
+    (["--num-workers", "2", "--max-failures", "-1"], "--max-failures -1: must be 0 or more"),
+    (["--num-workers", "2", "--cpus-per-worker", "0"], "--cpus-per-worker 0: must be more than 0"),
+    # Nobody listens there: one line at once (Ray itself retries for minutes).
+    (["--num-workers", "2", "training.global_batch_size=24", "--address", "127.0.0.1:1"],
+     "--address 127.0.0.1:1: no Ray cluster reached (ConnectionRefusedError"),
 ])
 def test_ray_launcher_refuses_bad_input_before_starting_ray(args, says):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_train.py"),

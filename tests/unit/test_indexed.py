@@ -45,6 +45,26 @@ def test_truncated_bin_is_detected(tmp_path):
         IndexedDataset(tmp_path / "d")
 
 
+@pytest.mark.parametrize("keep", [20, 100])  # inside the header; inside the arrays
+def test_truncated_idx_names_its_file(tmp_path, keep):
+    w = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    w.add_documents([[1, 2, 3]] * 20)
+    w.finalize()
+    idx = tmp_path / "d.idx"
+    idx.write_bytes(idx.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=rf"'{tmp_path}/d.idx' is truncated .*rebuild it"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_sampled_max_id_sees_ids_anywhere_in_a_large_dataset(tmp_path):
+    w = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    tokens = np.full(5_000_000, 7, np.uint16)
+    tokens[-3] = 499  # in the last window
+    w.add_flat(tokens, np.array([tokens.size], np.int32))
+    w.finalize()
+    assert IndexedDataset(tmp_path / "d").sampled_max_id() == 499
+
+
 def test_missing_dataset_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         IndexedDataset(tmp_path / "nope")
