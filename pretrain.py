@@ -7,6 +7,8 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
   dotted.key=value    overrides, applied after the recipe (e.g. training.iters=100 optimizer.lr=1e-3)
   --print-config      print the resolved config and exit
   --get KEY           print one resolved value (e.g. --get training.hpu_mode) and exit
+                      (both with --world-size N [--gpus-per-node G]: first check the recipe's
+                      layout for N ranks, G per node, as a launcher does before it starts them)
   --dry-run           build the model on the meta device, print parameters and FLOPs/token, exit
   --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
                       does not fit); with --world-size N (default: one node, or one model replica
@@ -55,6 +57,16 @@ def main(argv: list[str]) -> int:
 
         report_once(e)
         return 2
+    if "--world-size" in values and "--plan" not in flags:
+        # A launcher's check before it queues or starts the ranks: the layout for that many.
+        from megatron_lite.distributed import ParallelDims, TopologyError
+
+        world = values["--world-size"]
+        try:
+            ParallelDims.plan(cfg, world, local_world_size=values.get("--gpus-per-node", world))
+        except TopologyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if "--print-config" in flags:
         print(to_yaml(cfg), end="")
         return 0

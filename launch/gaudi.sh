@@ -44,7 +44,11 @@ if [[ -n "${HOSTFILE:-}" ]] && ! grep -q "$HOST_LINE" "$HOSTFILE"; then
     exit 2
 fi
 
-MODE=$("$PYTHON" pretrain.py "$RECIPE" "$@" --get training.hpu_mode)
+NNODES=1
+[[ -n "${HOSTFILE:-}" ]] && NNODES=$(grep -c "$HOST_LINE" "$HOSTFILE")  # at least 1: checked above
+# The recipe, and its layout for the ranks this job starts, before any starts.
+MODE=$("$PYTHON" pretrain.py "$RECIPE" "$@" --get training.hpu_mode \
+       --world-size $((NNODES * HPUS)) --gpus-per-node "$HPUS") || exit 2
 case "$MODE" in
     lazy) LAZY=1 ;;
     eager | compile) LAZY=0 ;;
@@ -74,8 +78,6 @@ case "${LAUNCHER:-deepspeed}" in
         CMD=(deepspeed --num_gpus "$HPUS" ${HOSTFILE:+--hostfile "$HOSTFILE"} --master_addr "$MASTER_ADDR"
              --master_port "$MASTER_PORT" "${ARGS[@]}") ;;
     mpirun)
-        NNODES=1
-        [[ -n "${HOSTFILE:-}" ]] && NNODES=$(grep -c "$HOST_LINE" "$HOSTFILE")  # at least 1: checked above
         EXPORTS=()
         for name in "${FORWARD[@]}" MASTER_ADDR MASTER_PORT; do EXPORTS+=(-x "$name"); done
         CMD=(mpirun -n $((NNODES * HPUS)) --map-by "ppr:$HPUS:node" --bind-to none

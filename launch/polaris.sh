@@ -21,6 +21,8 @@
 #
 # Settings (environment):
 #   NGPUS_PER_NODE         ranks per node (default 4, the A100s of a Polaris node)
+#   NNODES                 --dry-run on a login node only: the nodes the job will have (its
+#                          select=N; default 1), for the layout check and the printed command
 #   PYTHON                 the interpreter to run (default: python from the active environment)
 #   MPI_FLAVOR             pals (Polaris' Cray mpiexec) or hydra (MPICH); detected by default
 #   OVERRIDES              overrides when none are given as arguments, separated by spaces and
@@ -97,7 +99,14 @@ fi
 
 NODEFILE="${PBS_NODEFILE:-}"
 if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
-NNODES=1
+# A dry run on a login node (no PBS_NODEFILE) checks the layout for NNODES nodes, the job's
+# select=N; a job counts its nodes in PBS_NODEFILE.
+if [[ -n "${NNODES:-}" && ( -n "$NODEFILE" || $DRY_RUN -eq 0 ) ]]; then
+    echo "error: NNODES=$NNODES is for --dry-run without PBS_NODEFILE (a job's nodes are the lines of PBS_NODEFILE): unset it" >&2
+    exit 2
+fi
+NNODES="${NNODES:-1}"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || { echo "error: NNODES=$NNODES: give the nodes the job will have, a positive integer" >&2; exit 2; }
 if [[ -n "$NODEFILE" ]]; then
     # grep -c prints 0 and fails when no line matches: its count is the answer either way (a
     # fallback after || would append a second number).
@@ -201,7 +210,8 @@ fi
 # by every rank after the job has waited in the queue would cost the allocation (and the
 # launch a traceback per rank). `--dry-run` before qsub runs the same check without a job.
 if [[ "$PROGRAM" == pretrain.py ]]; then
-    "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}" --print-config > /dev/null || exit 2
+    "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}" --print-config \
+        --world-size "$NRANKS" --gpus-per-node "$PPN" > /dev/null || exit 2
 fi
 
 FLAVOR="${MPI_FLAVOR:-}"

@@ -372,7 +372,8 @@ def test_help_shows_the_settings_and_a_missing_recipe_is_the_usage_line(script):
 
 
 def test_polaris_dry_run_prints_the_environment_it_sets():
-    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml")
+    # 4 ranks (a Polaris node): a global batch their data-parallel size divides.
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", "training.global_batch_size=48")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     env = lines[lines.index("environment set for the ranks:") + 1:-1]
@@ -433,9 +434,9 @@ def test_polaris_checks_the_recipe_before_mpiexec(tmp_path, args, env, named):
 
 
 def test_dry_run_after_the_recipe_is_still_a_dry_run_and_a_job_outside_the_repository_is_named(tmp_path):
-    for script, recipe in (("gaudi.sh", "recipes/llama2-7b-gaudi.yaml"),
-                           ("polaris.sh", "recipes/quickstart.yaml")):
-        out = _launch(script, recipe, "--dry-run")
+    for script, recipe in (("gaudi.sh", ["recipes/llama2-7b-gaudi.yaml"]),
+                           ("polaris.sh", ["recipes/quickstart.yaml", "training.global_batch_size=64"])):
+        out = _launch(script, *recipe, "--dry-run")
         assert out.returncode == 0, (script, out.stderr[-2000:])
         assert out.stdout.splitlines()[-1].split()[0] in ("deepspeed", "mpiexec"), out.stdout[-500:]
         assert "--dry-run" not in out.stdout.splitlines()[-1]
@@ -443,3 +444,32 @@ def test_dry_run_after_the_recipe_is_still_a_dry_run_and_a_job_outside_the_repos
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"error: {tmp_path} is not the repository's root"), line
+
+
+@pytest.mark.parametrize("script, args, env, says", [
+    # llama2-7b-polaris is TP 4 x PP 2: one node's 4 GPUs cannot hold it.
+    ("polaris.sh", ["--dry-run", "recipes/llama2-7b-polaris.yaml"], {},
+     "world size 4 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses = 4 × 2 × 1"),
+    ("polaris.sh", ["--dry-run", "recipes/shakespeare-char.yaml"], {"NNODES": "2", "NGPUS_PER_NODE": "2"},
+     "training.global_batch_size=12 is not a multiple of training.micro_batch_size × data-parallel size = 12 × 4"),
+    ("gaudi.sh", ["--dry-run", "recipes/llama2-7b-gaudi.yaml"], {"HPUS_PER_NODE": "3"},
+     "is not a multiple of training.micro_batch_size × data-parallel size = 2 × 3"),
+])
+def test_a_dry_run_checks_the_layout_for_the_ranks_the_job_starts(script, args, env, says):
+    """The ranks would find it after the job waited in the queue, each printing it: the launchers
+    check the layout for nodes × ranks per node before they queue or start anything."""
+    out = _launch(script, *args, **env)
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+    assert "mpiexec" not in out.stdout and "deepspeed --num_gpus" not in out.stdout
+
+
+def test_nnodes_is_for_a_dry_run_on_a_login_node(tmp_path):
+    nodes = tmp_path / "nodes"
+    nodes.write_text("a\nb\n")
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", NNODES="2",
+                  PBS_NODEFILE=str(nodes))
+    assert out.returncode == 2 and "NNODES=2 is for --dry-run without PBS_NODEFILE" in out.stderr, out.stderr
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", "training.global_batch_size=96",
+                  NNODES="2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].startswith("mpiexec -n 8 -ppn 4 ")
