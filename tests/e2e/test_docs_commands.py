@@ -24,7 +24,8 @@ from tests.conftest import REPO, cpu_env
 
 DOCS = ("README.md", "docs/getting-started.md")
 CHEAP = re.compile(r"(^python (pretrain\.py|tools/\S+|launch/ray_train\.py) "
-                   r".*--(help|print-config|dry-run|plan)\b)|(^([A-Z_]+=\S+ )*launch/\S+\.sh --(dry-run|help)\b)")
+                   r".*--(help|print-config|dry-run|plan)\b)"
+                   r"|(^([A-Z_]+=\S+ )*launch/\S+\.sh --(dry-run|help)\b)")
 NOT_RUN = {
     r"^make (quickstart|test)$": "installs and the whole suite: what CI runs",
     r"^git clone ": "the clone itself",
