@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="--to hf: replace the files of an earlier export in OUTPUT")
     a = p.parse_args(argv)
-    problem = _output_problem(a)
+    problem = _output_problem(a) or _tokenizer_problem(a)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -80,6 +80,37 @@ def _output_problem(a: argparse.Namespace) -> str | None:
     if not a.overwrite:
         return (f"output {a.output} is not empty; give a new directory, or --overwrite to replace an "
                 "earlier export there")
+    # --overwrite replaces an export, nothing else: never a checkpoint, a run or a dataset.
+    foreign = sorted(e.name for e in a.output.iterdir() if not _export_file(e))
+    if foreign or not (a.output / "config.json").is_file():
+        what = f"it holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}" if foreign \
+            else "it has no config.json"
+        return (f"output {a.output} is not an earlier export ({what}): --overwrite only replaces "
+                "one; give a new directory")
+    return None
+
+
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+"""What an export holds: transformers' model and tokenizer files."""
+
+
+def _export_file(entry: Path) -> bool:
+    name = entry.name
+    return entry.is_file() and (name in EXPORT_FILES
+                                or (name.startswith("model-") and name.endswith(".safetensors")))
+
+
+def _tokenizer_problem(a: argparse.Namespace) -> str | None:
+    """Why ``--tokenizer`` cannot go into the export (before anything is read)."""
+    if a.tokenizer is None:
+        return None
+    if a.source:
+        return "--tokenizer is for --to hf (an import keeps the recipe's tokenizer)"
+    if not (a.tokenizer / "tokenizer_config.json").is_file():
+        return (f"--tokenizer {a.tokenizer}: not a Hugging Face tokenizer directory (no "
+                "tokenizer_config.json); give the directory AutoTokenizer.save_pretrained wrote")
     return None
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ CASES = [
      "error: checkpoint {d}/no-checkpoint does not exist"),
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}"],
      "error: output {d} is not empty; give a new directory, or --overwrite"),
+    # --overwrite replaces an earlier export, never a run, checkpoint or dataset directory.
+    ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}", "--overwrite"],
+     "error: output {d} is not an earlier export (it holds chars.json, corpus.jsonl, "
+     "corpus_text_document.bin"),
+    ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}/export", "--tokenizer", "{d}/chars.json"],
+     "error: --tokenizer {d}/chars.json: not a Hugging Face tokenizer directory (no tokenizer_config.json)"),
 ]
 
 
