@@ -9,7 +9,7 @@ records). Several runs are overlaid, one colour each. Spikes (``spikes.jsonl``) 
 of ``metrics.jsonl`` (slowdown, straggler, stop, ...) are marked as vertical lines. A step logged
 twice (before a crash and again after the resume) keeps its last value. ``--terminal`` draws
 loss and tokens/s as text (plotext 5) for a login node without a display; the PNG needs
-matplotlib (both: ``pip install -e .[report]``).
+matplotlib (both: ``pip install -e '.[report]'``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools._cli_args import figure_path, plotting_library  # noqa: E402
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_sec", "tokens/s"), ("mfu", "MFU")]
@@ -78,11 +82,7 @@ def time_panels(runs: list[dict]) -> list[tuple[list[str], str]]:
 
 
 def plot_png(runs: list[dict], output: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("error: the PNG needs matplotlib: pip install -e .[report] "
-                         "(or use --terminal)") from None
+    matplotlib = plotting_library("matplotlib", "the figure (or --terminal)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -136,7 +136,7 @@ def plot_png(runs: list[dict], output: Path) -> None:
 
 
 def plot_terminal(runs: list[dict], colour: bool) -> str:
-    import plotext as plt
+    plt = plotting_library("plotext", "--terminal")
 
     out = []
     for key, title in [("loss", "loss"), ("tokens_per_sec", "tokens/s")]:
@@ -158,7 +158,8 @@ def plot_terminal(runs: list[dict], colour: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (logging.dir)")
-    p.add_argument("--output", type=Path, help="PNG to write (default: FIRST_RUN/plot.png)")
+    p.add_argument("--output", type=figure_path,
+                   help="figure to write, .png (or .pdf, .svg, .jpg) (default: FIRST_RUN/plot.png)")
     p.add_argument("--terminal", action="store_true", help="draw loss and tokens/s as text instead")
     args = p.parse_args(argv)
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.spikes import SPIKES_FILE  # noqa: E402
+from tools._cli_args import figure_path, plotting_library, positive_int  # noqa: E402
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -126,6 +127,7 @@ def plot(run_dir: Path, events: list[dict], out: Path) -> None:
     ax.set_title(f"{run_dir.name}: loss and spike events")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
@@ -134,14 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="the run's logging.dir (its spikes.jsonl and metrics.jsonl)")
     p.add_argument("--text", action="store_true", help="decode the samples of each event")
-    p.add_argument("--samples", type=int, default=3, help="samples decoded per event (default 3)")
-    p.add_argument("--chars", type=int, default=300, help="characters shown per sample (default 300)")
+    p.add_argument("--samples", type=positive_int, default=3, help="samples decoded per event (default 3)")
+    p.add_argument("--chars", type=positive_int, default=300,
+                   help="characters shown per sample (default 300)")
     p.add_argument("--data-prefix", help="read samples from this dataset prefix instead of the recorded one")
     p.add_argument("--tokenizer-type",
                    choices=["char", "sentencepiece", "huggingface", "megatron-sentencepiece"],
                    help="tokenizer type instead of the run config's")
     p.add_argument("--tokenizer-model", help="tokenizer file/dir instead of the run config's")
-    p.add_argument("--plot", type=Path, help="write the loss curve with events marked to this PNG")
+    p.add_argument("--plot", type=figure_path,
+                   help="write the loss curve with events marked to this figure (.png, .pdf, .svg, .jpg)")
     args = p.parse_args(argv)
 
     events = read_jsonl(args.run_dir / SPIKES_FILE)
@@ -172,11 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(texts))
     if args.plot:
-        try:
-            plot(args.run_dir, events, args.plot)
-        except ImportError:
-            print("error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 1
+        plotting_library("matplotlib", "--plot")
+        plot(args.run_dir, events, args.plot)
         print(f"\nplot written to {args.plot}")
     return 0
 

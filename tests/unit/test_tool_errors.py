@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,11 @@ CASES = [
      "error: checkpoint {d}/no-checkpoint does not exist"),
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}"],
      "error: output {d} is not empty; give a new directory, or --overwrite"),
+    ("spike_report", ["{d}/run", "--plot", "{d}/events.jsonl"],
+     "argument --plot: {d}/events.jsonl: give a file ending in .png, .pdf, .svg, .jpg, .jpeg"),
+    ("plot_run", ["{d}/run", "--output", "{d}/plot.txt"],
+     "argument --output: {d}/plot.txt: give a file ending in .png"),
+    ("spike_report", ["{d}/run", "--samples", "-3"], "argument --samples: -3: must be at least 1"),
     # --overwrite replaces an earlier export, never a run, checkpoint or dataset directory.
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}", "--overwrite"],
      "error: output {d} is not an earlier export (it holds chars.json, corpus.jsonl, "
@@ -182,3 +188,11 @@ def test_a_prefix_given_as_preprocess_datas_output_prefix_names_the_dataset_it_m
 def test_a_torn_last_line_of_the_spike_log_is_skipped(files, capsys):
     status, _ = _run("spike_report", [files / "run"], capsys)
     assert status == 0
+
+
+def test_a_missing_plotting_library_is_one_line_with_the_quoted_install(monkeypatch):
+    from tools._cli_args import plotting_library
+
+    monkeypatch.setitem(sys.modules, "plotext", None)  # what an install without .[report] has
+    with pytest.raises(SystemExit, match=r"^error: --terminal needs plotext: pip install -e '\.\[report\]'$"):
+        plotting_library("plotext", "--terminal")
