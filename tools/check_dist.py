@@ -77,7 +77,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     # The DeepSpeed launcher (and torch.distributed.launch) pass the local rank as an option;
     # detect() reads it from the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    for name, value in (("--size-mb", args.size_mb), ("--timeout-s", args.timeout_s)):
+        if value is not None and not value > 0:
+            parser.error(f"{name} {value:g}: must be more than 0")
+    if args.iters < 1:
+        parser.error(f"--iters {args.iters}: must be at least 1")
+    return args
 
 
 def build_cfg(args: list[str], timeout_s: float):

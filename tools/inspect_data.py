@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.command in ("doc", "sample") and a.index is None:
         p.error(f"{a.command} needs a number: inspect_data.py PREFIX {a.command} N")
+    if a.command in ("stats", "lint") and a.index is not None:
+        p.error(f"{a.command} takes no number (it reads the whole dataset)")
     if a.command == "lint" and not (a.tokenizer_type and a.tokenizer_model):
         p.error("lint needs --tokenizer-type and --tokenizer-model: the vocabulary and separators "
                 "it checks the token ids against")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
 from megatron_lite.data.preprocess_ranks import PartsPending  # noqa: E402
 from megatron_lite.distributed.launcher_env import detect  # noqa: E402
+from tools._cli_args import positive_int  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
          "megatron-sentencepiece": "megatron-sentencepiece",
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the end-of-document token (added only where the "
                         "tokenizer did not already add it)")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes")
     p.add_argument("--text-split", choices=TEXT_SPLITS, default="file",
                    help="plain-text inputs: one document per file, or per blank-line-separated block")
     p.add_argument("--strict", action="store_true",
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"written and verified; {PENDING} means this rank's part is committed and other "
                         "parts are still missing")
     args = p.parse_args(argv)
+    if args.output_prefix.endswith(("/", "\\")) or Path(args.output_prefix).is_dir():
+        p.error(f"--output-prefix {args.output_prefix} is a directory; give a name in it "
+                f"({args.output_prefix.rstrip('/')}/corpus writes corpus_text_document.bin/.idx)")
     launched = detect()
     by_hand = args.rank is not None or args.world_size is not None
     rank = launched.rank if args.rank is None else args.rank

@@ -98,6 +98,13 @@ CASES = [
     ("plot_run", ["{d}/run", "--output", "{d}/plot.txt"],
      "argument --output: {d}/plot.txt: give a file ending in .png"),
     ("spike_report", ["{d}/run", "--samples", "-3"], "argument --samples: -3: must be at least 1"),
+    ("preprocess_data", ["--input", "{d}/corpus.jsonl", "--output-prefix", "{d}/out/", "--tokenizer-type",
+                         "char", "--tokenizer-model", "{d}/chars.json"],
+     "--output-prefix {d}/out/ is a directory; give a name in it"),
+    ("preprocess_data", ["--input", "{d}/corpus.jsonl", "--output-prefix", "{d}/o", "--tokenizer-type",
+                         "char", "--tokenizer-model", "{d}/chars.json", "--workers", "0"],
+     "argument --workers: 0: must be at least 1"),
+    ("inspect_data", ["{d}/corpus_text_document", "stats", "5"], "stats takes no number"),
     # --overwrite replaces an earlier export, never a run, checkpoint or dataset directory.
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}", "--overwrite"],
      "error: output {d} is not an earlier export (it holds chars.json, corpus.jsonl, "
