@@ -30,12 +30,12 @@ $(QS)/shakespeare_works.jsonl: | install
 
 $(QS)/tokenizer.model: $(QS)/shakespeare_works.jsonl
 	$(PY) tools/train_tokenizer.py --input $< --type sentencepiece --vocab-size 2048 \
-		--output $(QS)/tokenizer
+		--output $(QS)/tokenizer --overwrite
 
 $(QS)/works_text_document.idx: $(QS)/tokenizer.model
 	$(PY) tools/preprocess_data.py --input $(QS)/shakespeare_works.jsonl \
 		--output-prefix $(QS)/works --json-keys text --tokenizer-type sentencepiece \
-		--tokenizer-model $< --append-eod --workers 2
+		--tokenizer-model $< --append-eod --workers 2 --overwrite
 
 quickstart: install $(QS)/works_text_document.idx
 	$(PY) pretrain.py recipes/quickstart.yaml

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite.data.indexed import dataset_exists  # noqa: E402
 from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
 from megatron_lite.data.preprocess_ranks import PartsPending  # noqa: E402
 from megatron_lite.distributed.launcher_env import detect  # noqa: E402
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                         "with --rank/--world-size by hand). Exit status 0 means the whole dataset is "
                         f"written and verified; {PENDING} means this rank's part is committed and other "
                         "parts are still missing")
+    p.add_argument("--overwrite", action="store_true",
+                   help="one process: replace datasets already at the output prefix")
     args = p.parse_args(argv)
     if args.output_prefix.endswith(("/", "\\")) or Path(args.output_prefix).is_dir():
         p.error(f"--output-prefix {args.output_prefix} is a directory; give a name in it "
@@ -87,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = launched.rank if args.rank is None else args.rank
     world = launched.world_size if args.world_size is None else args.world_size
     wait = args.wait if args.wait is not None else (0.0 if by_hand else LAUNCHED_WAIT_S)
+    # One process replacing a dataset is refused by default: training runs built on it would
+    # change under them. (Several ranks keep their own rules: parts signed with their inputs.)
+    existing = [f"{args.output_prefix}_{key}_document" for key in args.json_keys
+                if dataset_exists(f"{args.output_prefix}_{key}_document")]
+    if world == 1 and existing and not args.overwrite:
+        print(f"error: {existing[0]}.bin/.idx exists; give another --output-prefix, or --overwrite "
+              "to replace it", file=sys.stderr)
+        return 2
     try:
         preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
                    args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,

@@ -65,9 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True,
                    help="output prefix: writes OUTPUT.model (sentencepiece) or OUTPUT.json (char); "
                         "a name already ending in that suffix is taken as the file's name")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing tokenizer file (datasets built with it then no longer match)")
     args = p.parse_args(argv)
     suffix = ".json" if args.type == "char" else ".model"
     output = args.output.removesuffix(suffix)
+    if Path(output + suffix).exists() and not args.overwrite:
+        print(f"error: {output + suffix} exists (datasets built with it hold its ids); give another "
+              "--output, or --overwrite to replace it", file=sys.stderr)
+        return 2
     missing = [path for path in args.input if not Path(path).is_file()]
     if missing:
         print(f"error: --input {missing[0]} does not exist or is not a file"

@@ -105,6 +105,16 @@ CASES = [
                          "char", "--tokenizer-model", "{d}/chars.json", "--workers", "0"],
      "argument --workers: 0: must be at least 1"),
     ("inspect_data", ["{d}/corpus_text_document", "stats", "5"], "stats takes no number"),
+    # What datasets and runs are built on is replaced only when asked.
+    ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--type", "char", "--output", "{d}/chars.json"],
+     "error: {d}/chars.json exists (datasets built with it hold its ids); give another --output, or "
+     "--overwrite"),
+    ("preprocess_data", ["--input", "{d}/corpus.jsonl", "--output-prefix", "{d}/corpus", "--tokenizer-type",
+                         "char", "--tokenizer-model", "{d}/chars.json"],
+     "error: {d}/corpus_text_document.bin/.idx exists; give another --output-prefix, or --overwrite"),
+    ("merge_datasets", ["--inputs", "{d}/corpus_text_document",
+                        "--output-prefix", "{d}/corpus_text_document"],
+     "error: {d}/corpus_text_document.bin/.idx exists; give another --output-prefix, or --overwrite"),
     # --overwrite replaces an earlier export, never a run, checkpoint or dataset directory.
     ("convert_checkpoint", ["--to", "hf", "{d}/no-checkpoint", "{d}", "--overwrite"],
      "error: output {d} is not an earlier export (it holds chars.json, corpus.jsonl, "
