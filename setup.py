@@ -23,6 +23,11 @@ setup(
         "numpy>=1.24",
         "wandb>=0.17",
         "tensorboard>=2.15",
+        # Imported by our code directly (the run clock, checkpoint conversion, the preprocessing
+        # progress bar), not only through DeepSpeed and transformers.
+        "psutil>=5.9.5",
+        "pyyaml>=6.0",
+        "tqdm>=4.64",
     ],
     # pyarrow: parquet input to tools/preprocess_data.py; matplotlib: tools/spike_report.py --plot and
     # tools/plot_run.py, plotext its --terminal plots (5.x: 6 changed the whole API)
