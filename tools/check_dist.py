@@ -247,12 +247,16 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0
     options = parse(argv)
+    try:  # before any rank waits for another: a bad recipe is a usage error (status 2), as in pretrain.py
+        cfg = build_cfg(options.args, options.timeout_s)
+    except ValueError as e:  # ConfigError is one
+        print(f"check_dist: {e}", file=sys.stderr)
+        return 2
     env = detect()
     print(f"check_dist: rank {env.rank}/{env.world_size} on {socket.gethostname()} (local rank "
           f"{env.local_rank}, launcher {env.launcher}, pid {os.getpid()}) starting", flush=True)
     timeout = timedelta(seconds=options.timeout_s)
     try:
-        cfg = build_cfg(options.args, options.timeout_s)
         dims, acc = init_distributed(cfg, env)
         size_mb = options.size_mb if options.size_mb is not None else (
             64 if acc.device_name() != "cpu" else 1)

@@ -63,3 +63,12 @@ def test_a_rank_that_stops_answering_is_named():
     assert "check_dist: FAILED on rank 0" in out, out[-3000:]
     assert "waiting for every rank before all_reduce on group 'checkpoint'" in out
     assert "Rank 1 failed to pass monitoredBarrier" in out, out[-3000:]
+
+
+def test_a_bad_recipe_is_a_usage_error_before_any_rank_waits(tmp_path):
+    """Exit status 2, as pretrain.py gives a bad recipe: nothing was tried on the network."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools/check_dist.py"), f"{tmp_path}/nope.yaml"],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"recipe file '{tmp_path}/nope.yaml' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stdout
