@@ -398,6 +398,16 @@ def _expand(batch: list[Record]) -> Iterator[Record]:
             yield rec
 
 
+def _first_unencodable(tok, docs: list[dict], wheres: list[str], key: str) -> str | None:
+    """Where the first document the tokenizer refuses comes from (``file:line``)."""
+    for doc, where in zip(docs, wheres, strict=True):
+        try:
+            tok.encode_batch([doc[key]])
+        except ValueError:
+            return where
+    return None
+
+
 def encode_batch(batch: list[Record]):
     """Worker task: records -> ({key: (flat tokens, lengths)}, documents, problems, keys of
     records without the keys asked for)."""
@@ -416,7 +426,10 @@ def encode_batch(batch: list[Record]):
                                  else "special-token text (parsed)", rec.where))
     out = {}
     for key in keys:
-        ids = tok.encode_batch([d[key] for d in docs])
+        try:
+            ids = tok.encode_batch([d[key] for d in docs])
+        except ValueError as e:  # a character outside a char vocabulary: which document has it
+            raise ValueError(f"{_first_unencodable(tok, docs, wheres, key) or 'a document'}: {e}") from None
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         if ids and isinstance(ids[0], np.ndarray):  # the character tokenizer's
             flat = np.concatenate(ids).astype(dtype, copy=False)

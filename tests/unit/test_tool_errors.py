@@ -30,6 +30,7 @@ def files(tmp_path_factory) -> Path:
     (d / "sp.model").write_bytes(b"\x0a\x80\x01binary protobuf")
     CharTokenizer.build("abc", d / "small.json")  # too few ids for the corpus
     (d / "empty.txt").write_text("")
+    (d / "zebra.jsonl").write_text('{"text": "to be"}\n{"text": "zebra"}\n')  # z: not in chars.json
     (d / "run").mkdir()  # a run directory whose spikes.jsonl ends in a torn line
     (d / "run" / "spikes.jsonl").write_text('{"event": "sp')
     return d
@@ -105,6 +106,9 @@ CASES = [
                          "char", "--tokenizer-model", "{d}/chars.json", "--workers", "0"],
      "argument --workers: 0: must be at least 1"),
     ("inspect_data", ["{d}/corpus_text_document", "stats", "5"], "stats takes no number"),
+    ("preprocess_data", ["--input", "{d}/zebra.jsonl", "--output-prefix", "{d}/zebra", "--tokenizer-type",
+                         "char", "--tokenizer-model", "{d}/chars.json"],
+     "error: {d}/zebra.jsonl:2: character 'z' is not in the char vocabulary"),
     # What datasets and runs are built on is replaced only when asked.
     ("train_tokenizer", ["--input", "{d}/corpus.jsonl", "--type", "char", "--output", "{d}/chars.json"],
      "error: {d}/chars.json exists (datasets built with it hold its ids); give another --output, or "
