@@ -122,3 +122,19 @@ def test_the_layering_checks_see_a_bad_import(tmp_path):
     assert imports_of(probe, known) == {"megatron_lite.training.trainer", "megatron_lite.config.schema"}
     assert imports_of(probe, known, type_checking=True) == {
         "megatron_lite.training.trainer", "megatron_lite.config.schema", "megatron_lite.data.indexed"}
+
+
+MAX_LINES = 400
+EXEMPT = {"megatron_lite/config/schema.py"}  # the declarative schema: one field after another
+STILL_TO_SPLIT = {"megatron_lite/checkpoint/shards.py", "megatron_lite/checkpoint/store.py",
+                  "megatron_lite/data/preprocess.py", "megatron_lite/data/preprocess_ranks.py"}
+"""Modules over the limit that are yet to be split (the preprocessing package, the checkpoint
+format); the list only shrinks: one that fits is taken off it."""
+
+
+def test_no_module_over_400_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    over = {name for name, n in sizes.items() if n > MAX_LINES} - EXEMPT
+    assert over <= STILL_TO_SPLIT, f"modules over {MAX_LINES} lines: {sorted(over - STILL_TO_SPLIT)}"
+    fitted = STILL_TO_SPLIT - over
+    assert not fitted, f"now within {MAX_LINES} lines, take off STILL_TO_SPLIT: {sorted(fitted)}"
