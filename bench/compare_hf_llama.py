@@ -169,7 +169,7 @@ def main() -> None:
     batches = token_batches(a)
 
     def ours_step() -> None:
-        parts.steps.train_step(batches, parts.device).item()
+        parts.step_runner.train_step(batches, parts.device).item()
 
     timed(ours_step, 3)  # warm-up
     ours_t: list[float] = []

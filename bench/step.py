@@ -96,7 +96,7 @@ def breakdown(trainer: Trainer, batches, n: int, sync) -> dict[str, float]:
     """Mean seconds per step in data wait, forward, backward and optimizer step. The update
     gate's report is not taken here (it is in the timed steps: one device all-reduce and a copy
     to the host, read one step late)."""
-    runner, engine, device = trainer.steps, trainer.engine, trainer.device
+    runner, engine, device = trainer.step_runner, trainer.engine, trainer.device
     parts = dict.fromkeys(("data wait", "forward", "backward", "optimizer"), 0.0)
     for _ in range(n):
         for _micro in range(runner.grad_accum):

@@ -57,7 +57,7 @@ def main() -> None:
     timed_clock, no_clock = PhaseClock(acc), NoClock()
 
     def run(steps: int, with_timing: bool) -> float:
-        trainer.steps.clock = timed_clock if with_timing else no_clock
+        trainer.step_runner.clock = timed_clock if with_timing else no_clock
         acc.synchronize()
         start = time.perf_counter()
         loss = None

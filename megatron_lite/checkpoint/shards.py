@@ -155,7 +155,7 @@ def local_fragments(engine, dims: ParallelDims,
             for key in STATE_KEYS:
                 tensors[key] = copy((*piece, key), safe_get_local_optimizer_state(p, key)[:numel])
         else:  # no ZeRO: every data-parallel replica holds everything; the first one writes
-            if dims.dp_rank != 0 or dims.sp_rank != 0:
+            if dims.dp_rank != 0 or dims.ulysses_rank != 0:
                 continue
             plain_opt = plain_opt or torch_optimizer(engine)
             masters = ds.master_weights(engine) if masters is None else masters

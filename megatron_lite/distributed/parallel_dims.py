@@ -67,7 +67,7 @@ class ParallelDims:
         return self.coordinate("tensor")
 
     @property
-    def sp_rank(self) -> int:
+    def ulysses_rank(self) -> int:
         return self.coordinate("ulysses")
 
     @property
@@ -243,7 +243,7 @@ class ModelParallelUnit:
         if self._deepspeed_data and name in ("data", "sequence_data"):
             return d.shard_rank
         if name == "sequence_data":
-            return d.dp_rank * d.ulysses + d.sp_rank
+            return d.dp_rank * d.ulysses + d.ulysses_rank
         return d.coordinate(name)
 
     def _group(self, name: str):

@@ -108,7 +108,7 @@ def parallelize_embedding(owner: nn.Module, dims: ParallelDims) -> None:
             # Dropout after the scatter: each rank drops on its own slice.
             owner.drop = nn.Sequential(ScatterSequence(dims.group("tensor")), owner.drop)
     if dims.ulysses > 1 and owner.pos_emb is not None:
-        owner.pos_emb = OffsetPositions(owner.pos_emb, dims.sp_rank)
+        owner.pos_emb = OffsetPositions(owner.pos_emb, dims.ulysses_rank)
 
 
 def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Parameter | None) -> None:

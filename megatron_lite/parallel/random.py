@@ -17,7 +17,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 
 def rank_seed(seed: int, dims: ParallelDims) -> int:
     """Seed of this rank's default generator (dropout), given the run's ``seed``."""
-    stream = dims.dp_rank * dims.ulysses + dims.sp_rank
+    stream = dims.dp_rank * dims.ulysses + dims.ulysses_rank
     if dims.sequence_parallel:
         stream = stream * dims.tensor + dims.tp_rank
     # Pipeline stages run different layers: their streams need not relate, but differ anyway.

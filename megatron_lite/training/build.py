@@ -34,7 +34,7 @@ class Components:
     """The resolved model: the vocabulary padded for the tensor-parallel size."""
     engine: Any
     """The DeepSpeed engine; ``engine.module`` is this rank's part of the model."""
-    steps: StepRunner
+    step_runner: StepRunner
     """One optimizer step / evaluation batch for the layout."""
     iters: int
     """The optimizer steps the learning-rate schedule is planned for."""

@@ -73,7 +73,7 @@ class Evaluator:
         n = cfg.training.eval_iters
         try:
             for _ in range(n):
-                total += self.parts.steps.eval_loss(batches, device)
+                total += self.parts.step_runner.eval_loss(batches, device)
         finally:  # dropout and activation checkpointing come back whatever happened
             engine.train()
         return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
@@ -96,7 +96,7 @@ class Evaluator:
                          t.sample_top_k, t.seed, self.parts.device,
                          agree=lambda error: raise_together(error, self.dims, "the text sample"),
                          fixed_shape=compiles_per_shape(self.parts.acc),
-                         after_token=self.parts.steps.graph_break)
+                         after_token=self.parts.step_runner.graph_break)
         finally:  # a failed sample must not leave the rest of the run without dropout
             model.train(was_training)
         return t.sample_prompt + tok.decode(ids)

@@ -14,7 +14,10 @@ from megatron_lite.distributed.collectives import first_line
 from megatron_lite.logging import MetricsLogger
 
 
-class Saves:
+class SavePolicy:
+    """When the trainer saves (the interval, the last step, what the run control asks) and what
+    a failed save does (``checkpoint.on_save_failure``): the trainer's side of the checkpointer."""
+
     def __init__(self, cfg: Config, checkpointer: Checkpointer, logger: MetricsLogger,
                  log: Callable[[str], None], extra: Callable[[], dict], on_saved: Callable[[], None]):
         """``extra``: the trainer's state to save with the checkpoint (the spike tracker's);

@@ -196,8 +196,8 @@ class StepRunner:
         """(B, T+1) token windows -> this rank's (inputs, targets)."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if self.dims.ulysses > 1:
-            inputs = inputs.chunk(self.dims.ulysses, dim=1)[self.dims.sp_rank]
-            targets = targets.chunk(self.dims.ulysses, dim=1)[self.dims.sp_rank]
+            inputs = inputs.chunk(self.dims.ulysses, dim=1)[self.dims.ulysses_rank]
+            targets = targets.chunk(self.dims.ulysses, dim=1)[self.dims.ulysses_rank]
         return inputs, targets
 
     def _pairs(self, batches: Iterator[torch.Tensor], device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

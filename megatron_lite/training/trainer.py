@@ -33,7 +33,7 @@ from megatron_lite.training.control import RunControl
 from megatron_lite.training.evaluator import Evaluator
 from megatron_lite.training.monitor import SlowdownMonitor, StragglerCheck
 from megatron_lite.training.profiling import StepProfiler
-from megatron_lite.training.saving import Saves
+from megatron_lite.training.saving import SavePolicy
 from megatron_lite.training.step_report import PendingReport, StepReport
 from megatron_lite.training.timing import IntervalClock, PhaseClock, process_age_s
 
@@ -59,14 +59,14 @@ class RunResult:
 
 
 class Trainer:
-    """The loop: each part decides its own timing (``Evaluator.maybe_run``, ``Saves.maybe_save``);
+    """The loop: each part decides its own timing (``Evaluator.maybe_run``, ``SavePolicy.maybe_save``);
     every step goes through the spike tracker (``SpikeTracker.track``)."""
 
     def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
                  logger: MetricsLogger, log: Callable[[str], None], checkpointer: Checkpointer | None = None,
                  on_record: Callable[[dict], None] | None = None):
         self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
-        self.engine, self.steps, self.device = parts.engine, parts.steps, parts.device
+        self.engine, self.step_runner, self.device = parts.engine, parts.step_runner, parts.device
         self.checkpointer, self.logger, self.log = checkpointer, logger, log
         self.on_record = on_record
         self.total_iters = parts.iters
@@ -78,12 +78,12 @@ class Trainer:
         locate = getattr(data.train, "locate", None)
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.control = RunControl(cfg, dims)
-        self.steps.gate(self.spikes.judge, self.control.flags,
+        self.step_runner.gate(self.spikes.judge, self.control.flags,
                         RunControl.N_FLAGS if self.control.active else 0)
         self.profiler = StepProfiler(cfg, dims.rank, devmod.device_name(parts.acc), log)
         self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
         self.clock = PhaseClock(parts.acc)
-        self.steps.clock = self.clock
+        self.step_runner.clock = self.clock
         self.interval = IntervalClock(cfg.training.throughput_warmup_steps)
         self.slowdowns = SlowdownMonitor(cfg.monitor)
         self.stragglers = StragglerCheck(cfg, dims)
@@ -91,7 +91,7 @@ class Trainer:
         self.startup_s: float | None = None
         self._unread: tuple[StepContext, PendingReport] | None = None
         """The last step's report, not yet read (judged after the update)."""
-        self.saves = (Saves(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
+        self.saves = (SavePolicy(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
                             self.control.saved) if checkpointer is not None else None)
 
     # ---- checkpoints ----
@@ -151,7 +151,7 @@ class Trainer:
         result = RunResult(st.step, None, None)
         loss_sum = torch.zeros((), device=self.device)
         loss_steps = torch.zeros((), device=self.device)  # applied steps (their losses are averaged)
-        self.steps.require_reads()  # this loop reads every step's report; none may be lost
+        self.step_runner.require_reads()  # this loop reads every step's report; none may be lost
         engine.train()
         self.startup_s = process_age_s()
         if self.startup_s is not None:
@@ -188,7 +188,7 @@ class Trainer:
                 self.interval.restart()
                 continue
             self.interval.step_done()
-            applied = self.steps.applied
+            applied = self.step_runner.applied
             if isinstance(applied, torch.Tensor):  # the device's verdict, read later
                 loss_sum += torch.where(applied, step_loss, torch.zeros_like(step_loss))
                 loss_steps += applied
@@ -237,10 +237,10 @@ class Trainer:
         was judged before its update; else the step before it (its report has landed), then
         this one if a log line, an evaluation, a save or a stop follows. Lazy: the trainer
         stops at a rollback or a stop, and the rest stays unread."""
-        if not self.steps.late:
-            yield ctx, action, self.steps.report
+        if not self.step_runner.late:
+            yield ctx, action, self.step_runner.report
             return
-        previous, self._unread = self._unread, (ctx, self.steps.report)
+        previous, self._unread = self._unread, (ctx, self.step_runner.report)
         asked = False
         if previous is not None:
             judged = self._judge(*previous)
@@ -271,7 +271,7 @@ class Trainer:
 
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step; returns the summed micro-batch losses as a device tensor."""
-        return self.steps.train_step(batches, self.device)
+        return self.step_runner.train_step(batches, self.device)
 
     def rollback(self, spike: StepContext) -> bool:
         """Collective. Reload the newest checkpoint at least ``spikes.rollback.min_steps_back``
@@ -325,7 +325,7 @@ class Trainer:
         loss = mean_over_ranks(mean, self.dims, "the logged loss")
         now = time.perf_counter()
         span, timed = self.interval.all, self.interval.timed
-        gnorm = self.steps.grad_norm
+        gnorm = self.step_runner.grad_norm
         record = {"step": self.state.step, "loss": loss, "lr": lr,
                   "grad_norm": float(gnorm) if gnorm is not None else None,
                   "skipped_steps": self.interval.all.steps - round(applied),

@@ -46,7 +46,7 @@ def test_pipeline_topology_counts_ulysses_ranks_as_data_ranks():
 
 def test_coordinates_and_ulysses_groups():
     dims = _dims(8, ["parallel.ulysses=2"])
-    assert [d.sp_rank for d in dims] == [0, 1] * 4
+    assert [d.ulysses_rank for d in dims] == [0, 1] * 4
     assert [d.dp_rank for d in dims] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert dims[0].group_ranks(("ulysses", "data")) == [list(range(8))]
     mpu = dims[3].mpu()
