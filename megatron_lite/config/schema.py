@@ -110,7 +110,7 @@ class ModelConfig:
     activation: str = choice("swiglu", "gelu", "gelu_exact")
     """MLP activation: SwiGLU (gated, Llama); GELU in GPT-2's tanh approximation (transformers'
     ``gelu_new``); or exact GELU with erf (nanoGPT, BERT and Megatron-LM's default; transformers'
-    ``gelu``), which is also 2-3× faster than the tanh form on CPUs."""
+    ``gelu``), which is also faster than the tanh form on CPUs."""
     bias: bool = False
     """Biases in linear layers and LayerNorm."""
     tie_embeddings: bool = False
@@ -297,9 +297,9 @@ class TrainingConfig:
     ``false`` keeps full fp32 products. No effect on other devices."""
     cpu_retain_freed_memory: bool = True
     """On CPU (Linux, glibc), keep memory that tensors free inside the process for the next step
-    instead of returning it to the kernel and faulting it in again (``mallopt``; 5-10% of a small
-    model's step time). The process keeps its peak memory until it exits. No effect on other
-    devices or C libraries."""
+    instead of returning it to the kernel and faulting it in again (``mallopt``; the page faults
+    are a visible share of a small model's step). The process keeps its peak memory until it
+    exits. No effect on other devices or C libraries."""
     kernels: str = choice("torch", "liger")
     """Kernel of the output layer + loss. ``torch``: the chunked fused loss of ``model/loss.py``
     (every device; compiled with ``training.compile``). ``liger``: Liger Kernel's fused linear

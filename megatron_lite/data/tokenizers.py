@@ -257,7 +257,7 @@ def _generic_fast_class(directory: Path):
     the tokenizer's own files alone: no model config (``config.json`` steers AutoTokenizer by
     model type), no custom code, and ``tokenizer_config.json`` naming the generic class, as
     ``save_pretrained`` of a trained tokenizer writes it. Loading it directly skips the import of
-    transformers' model configuration, which imports torch (0.7 s per process); else None."""
+    transformers' model configuration, which imports torch (slow, in every worker); else None."""
     config = directory / "tokenizer_config.json"
     if (directory / "config.json").exists() or not (directory / "tokenizer.json").is_file() \
             or not config.is_file():

@@ -115,11 +115,11 @@ _M_MMAP_THRESHOLD = -3
 def retain_freed_host_memory() -> bool:
     """Keep freed host memory in this process instead of handing it back to the kernel (glibc
     only; True if applied). By default glibc serves large blocks with mmap and trims the heap
-    after frees, so every step's activations and gradients arrive in fresh pages: about 10,000
-    page faults per step for a 5M-parameter model on CPU, 5-10% of its step time (measured in
-    docs/benchmarks-history.md). The training loop's working set is the same every step, so keeping it
-    costs no more memory than the first step's peak. Set by hand because the allocators that do
-    this by default (jemalloc, tcmalloc) must be preloaded before the interpreter starts."""
+    after frees, so every step's activations and gradients arrive in fresh pages, page faults
+    that cost a small model a visible share of its step on CPU (docs/benchmarks-history.md). The
+    training loop's working set is the same every step, so keeping it costs no more memory than
+    the first step's peak. Set by hand because the allocators that do this by default (jemalloc,
+    tcmalloc) must be preloaded before the interpreter starts."""
     import ctypes
 
     libc = ctypes.CDLL(None)

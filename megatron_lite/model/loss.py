@@ -4,8 +4,9 @@ Why by hand: the usual ``F.cross_entropy(h @ W.T, t)`` materialises all logits (
 in fp32: 4 GiB for 8K tokens of a 128K vocabulary) and then a gradient of the same size, and
 runs a separate log-softmax backward. Here rows are processed in chunks: each chunk's logits
 become its softmax gradient in place, which is immediately multiplied into the gradients of the
-hidden states and the weight. Peak memory is one chunk of logits, and the step measured 8%
-faster on CPU (docs/benchmarks-history.md). Fused kernels of this (Liger's) exist only for Triton GPUs.
+hidden states and the weight. Peak memory is one chunk of logits, and the step is faster too
+(bench/loss_speed.py; docs/benchmarks-history.md). Fused kernels of this (Liger's) exist only for
+Triton GPUs.
 
 The gradients are computed in the forward pass, so this path is taken only when a backward
 will follow (grad mode on); evaluation uses the chunked loss alone.
@@ -65,9 +66,9 @@ def _softmax_xent_grad_inplace(logits: torch.Tensor,
 def _softmax_xent_grad_cpu(logits: torch.Tensor,
                            targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax_xent_grad`` for fp32 logits on CPU: aten's softmax kernel (one read, one write,
-    a faster exp than inductor's) measured 1.6 ms per 512 x 4096 chunk against 2.5 ms for the
-    compiled pass. A row's loss is -log of its target's probability, exact unless that
-    underflows (a loss above ~69 nats): such rows are recomputed from their logsumexp."""
+    a faster exp than inductor's) beats the compiled pass there (bench/loss_speed.py). A row's
+    loss is -log of its target's probability, exact unless that underflows (a loss above ~69
+    nats): such rows are recomputed from their logsumexp."""
     grad = torch.softmax(logits, dim=-1)
     rows = torch.arange(logits.size(0))
     picked = grad[rows, targets]  # (c,)
@@ -130,10 +131,8 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
 SMALL_LOGITS = 1 << 20
 """Up to this many logits (tokens × vocabulary), the eager loss is the plain
 ``F.cross_entropy(h @ weight.T)``: all of it is a few MiB, and the fused pass's extra kernels
-cost more than they save. On CPU, fp32, forward + backward (``bench/loss_speed.py``): 0.41-0.47
-against 0.61-0.63 ms for shakespeare-char's 768 × 65, 4.5-4.8 against 5.1-5.7 ms for 8,192 × 65;
-even (±10%) at 1M; the fused pass is faster from 2M logits (512 × 4,096: 7.1-7.4 against
-9.5 ms)."""
+cost more than they save; the two are even around 1M logits and the fused pass wins above
+(``bench/loss_speed.py``; the figures are in docs/benchmarks-history.md)."""
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

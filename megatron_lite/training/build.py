@@ -52,8 +52,7 @@ def unfused_wrapper_note(cfg: Config, device_type: str) -> str | None:
     """A note when DeepSpeed will wrap the optimizer in its unfused fp16/bf16 wrapper (its choice
     for fp16 at ZeRO stage 0, and for bf16 there outside pipelining): that wrapper checks every
     parameter's gradient for overflow with a read to the host, one wait for the device per
-    parameter per step (docs/benchmarks-history.md, "One GPU: host reads per step"). None on the CPU,
-    where the host is the device."""
+    parameter per step (docs/benchmarks.md). None on the CPU, where the host is the device."""
     precision, pipelined = cfg.training.precision, cfg.parallel.pipeline > 1
     if (device_type == "cpu" or cfg.parallel.deepspeed_zero_stage != 0 or precision == "fp32"
             or (precision == "bf16" and pipelined)):
