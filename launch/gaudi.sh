@@ -46,6 +46,15 @@ fi
 
 NNODES=1
 [[ -n "${HOSTFILE:-}" ]] && NNODES=$(grep -c "$HOST_LINE" "$HOSTFILE")  # at least 1: checked above
+# Every node runs HPUS_PER_NODE ranks (mpirun's ppr, DeepSpeed's --num_gpus): a host whose slots
+# say otherwise would get another count than the layout is checked for.
+if [[ -n "${HOSTFILE:-}" ]]; then
+    OTHER=$(awk -v n="$HPUS" 'NF && $1 !~ /^#/ { for (i = 2; i <= NF; i++) if ($i ~ /^slots=/ && substr($i, 7) != n) { print; exit } }' "$HOSTFILE")
+    if [[ -n "$OTHER" ]]; then
+        echo "error: HOSTFILE=$HOSTFILE line '$OTHER' does not say slots=$HPUS: every node runs HPUS_PER_NODE=$HPUS ranks; make the two agree" >&2
+        exit 2
+    fi
+fi
 # The recipe, and its layout for the ranks this job starts, before any starts.
 MODE=$("$PYTHON" pretrain.py "$RECIPE" "$@" --get training.hpu_mode \
        --world-size $((NNODES * HPUS)) --gpus-per-node "$HPUS") || exit 2

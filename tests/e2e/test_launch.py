@@ -474,3 +474,12 @@ def test_nnodes_is_for_a_dry_run_on_a_login_node(tmp_path):
                   NNODES="2")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1].startswith("mpiexec -n 8 -ppn 4 ")
+
+
+def test_gaudi_hostfile_slots_must_agree_with_hpus_per_node(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("hostA slots=8\nhostB slots=4\n")
+    out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", HOSTFILE=str(hosts),
+                  LAUNCHER="mpirun")
+    assert out.returncode == 2, out.stdout[-1000:]
+    assert "line 'hostB slots=4' does not say slots=8" in out.stderr, out.stderr
