@@ -161,7 +161,7 @@ def _nan_loss(trainer_module) -> None:
     @functools.wraps(train_step)
     def train_step_with_nan(self, batches):
         step = self.state.step + 1
-        if step != int(wanted) or (only and int(only) != self.dims.rank) or self.steps.pipelined:
+        if step != int(wanted) or (only and int(only) != self.dims.rank) or self.step_runner.pipelined:
             return train_step(self, batches)
         engine, calls = self.engine, []
         forward = engine.forward
