@@ -11,14 +11,8 @@ from pathlib import Path
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.run_state import restore_rng, restore_trainer_state
-from megatron_lite.checkpoint.shards import (
-    Assembler,
-    file_fragments,
-    has_fragment_index,
-    load_fragments,
-    needed_files,
-    shape_mismatches,
-)
+from megatron_lite.checkpoint.shard_index import has_fragment_index, needed_files
+from megatron_lite.checkpoint.shards import Assembler, file_fragments, load_fragments, shape_mismatches
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.collectives import all_gather_object, on_one_rank_then_all, raise_together

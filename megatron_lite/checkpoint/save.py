@@ -17,7 +17,8 @@ from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_er
 from megatron_lite.checkpoint.host_copy import HostCopies
 from megatron_lite.checkpoint.load import architecture
 from megatron_lite.checkpoint.run_state import rng_state, trainer_state
-from megatron_lite.checkpoint.shards import fragment_index, local_fragments
+from megatron_lite.checkpoint.shard_index import fragment_index
+from megatron_lite.checkpoint.shards import local_fragments
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import to_yaml
 from megatron_lite.distributed.collectives import all_gather_object, broadcast_object, on_one_rank_then_all

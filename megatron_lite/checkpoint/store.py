@@ -218,7 +218,7 @@ def read_manifest(path: Path, required: Iterable[str] = ()) -> dict:
 
 def _is_fragment_index(value: Any) -> bool:
     """A file's list of fragments: [name, cuts ([dim, index, count] each), slice shape, start,
-    numel] each (``shards.fragment_index``)."""
+    numel] each (``shard_index.fragment_index``)."""
     return isinstance(value, list) and all(
         isinstance(e, list) and len(e) == 5 and isinstance(e[0], str)
         and isinstance(e[1], list) and all(isinstance(c, list) and len(c) == 3 and all(map(_is_count, c))

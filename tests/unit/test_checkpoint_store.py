@@ -652,7 +652,7 @@ def test_a_manifest_lists_each_files_fragments_and_a_bad_list_is_refused(tmp_pat
     """The index a resuming rank chooses its files by (the 8-rank resume test reads by it):
     which fragment serves which need, and checked on read like the rest of the manifest (a list
     that is not fragments is refused, not followed)."""
-    from megatron_lite.checkpoint.shards import Need, fragment_index, serves
+    from megatron_lite.checkpoint.shard_index import Need, fragment_index, serves
 
     path = _trained_checkpoint(tmp_path / "ck")
     entries = fragment_index(store.load_rank_file(path / "rank_00000.pt")["fragments"])
