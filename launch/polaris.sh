@@ -21,8 +21,9 @@
 #
 # Settings (environment):
 #   NGPUS_PER_NODE         ranks per node (default 4, the A100s of a Polaris node)
-#   NNODES                 --dry-run on a login node only: the nodes the job will have (its
-#                          select=N; default 1), for the layout check and the printed command
+#   NNODES                 --dry-run on a login node: the nodes the job will have (its select=N;
+#                          default 1), for the layout check and the printed command; in a job
+#                          (PBS_NODEFILE) it may be set only to the job's node count
 #   PYTHON                 the interpreter to run (default: python from the active environment)
 #   MPI_FLAVOR             pals (Polaris' Cray mpiexec) or hydra (MPICH); detected by default
 #   OVERRIDES              overrides when none are given as arguments, separated by spaces and
@@ -100,13 +101,10 @@ fi
 NODEFILE="${PBS_NODEFILE:-}"
 if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
 # A dry run on a login node (no PBS_NODEFILE) checks the layout for NNODES nodes, the job's
-# select=N; a job counts its nodes in PBS_NODEFILE.
-if [[ -n "${NNODES:-}" && ( -n "$NODEFILE" || $DRY_RUN -eq 0 ) ]]; then
-    echo "error: NNODES=$NNODES is for --dry-run without PBS_NODEFILE (a job's nodes are the lines of PBS_NODEFILE): unset it" >&2
-    exit 2
-fi
-NNODES="${NNODES:-1}"
-[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || { echo "error: NNODES=$NNODES: give the nodes the job will have, a positive integer" >&2; exit 2; }
+# select=N; a job counts its nodes in PBS_NODEFILE (an NNODES a job script exported must agree).
+WANTED_NODES="${NNODES:-}"
+[[ -z "$WANTED_NODES" || "$WANTED_NODES" =~ ^[1-9][0-9]*$ ]] || { echo "error: NNODES=$WANTED_NODES: give the nodes the job will have, a positive integer" >&2; exit 2; }
+NNODES=1
 if [[ -n "$NODEFILE" ]]; then
     # grep -c prints 0 and fails when no line matches: its count is the answer either way (a
     # fallback after || would append a second number).
@@ -115,6 +113,12 @@ if [[ -n "$NODEFILE" ]]; then
         echo "error: PBS_NODEFILE=$NODEFILE names no node: give a file of host names, one per line, or leave PBS_NODEFILE unset for this node alone" >&2
         exit 2
     fi
+fi
+if [[ -n "$WANTED_NODES" && -z "$NODEFILE" && $DRY_RUN -eq 1 ]]; then
+    NNODES="$WANTED_NODES"
+elif [[ -n "$WANTED_NODES" && "$WANTED_NODES" != "$NNODES" ]]; then
+    echo "error: NNODES=$WANTED_NODES, but this job has $NNODES node(s) (${NODEFILE:+the lines of PBS_NODEFILE=$NODEFILE}${NODEFILE:-no PBS_NODEFILE: this node}); NNODES is for a --dry-run on a login node: unset it" >&2
+    exit 2
 fi
 PPN="${NGPUS_PER_NODE:-4}"
 [[ "$PPN" =~ ^[1-9][0-9]*$ ]] || { echo "error: NGPUS_PER_NODE=$PPN: give the ranks per node, a positive integer" >&2; exit 2; }

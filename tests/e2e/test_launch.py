@@ -467,9 +467,13 @@ def test_a_dry_run_checks_the_layout_for_the_ranks_the_job_starts(script, args, 
 def test_nnodes_is_for_a_dry_run_on_a_login_node(tmp_path):
     nodes = tmp_path / "nodes"
     nodes.write_text("a\nb\n")
-    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", NNODES="2",
+    # A job script's own NNODES: fine when it agrees with the job's nodes, one line when not.
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", "training.global_batch_size=96",
+                  NNODES="2", PBS_NODEFILE=str(nodes))
+    assert out.returncode == 0, out.stderr
+    out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", NNODES="3",
                   PBS_NODEFILE=str(nodes))
-    assert out.returncode == 2 and "NNODES=2 is for --dry-run without PBS_NODEFILE" in out.stderr, out.stderr
+    assert out.returncode == 2 and "NNODES=3, but this job has 2 node(s)" in out.stderr, out.stderr
     out = _launch("polaris.sh", "--dry-run", "recipes/shakespeare-char.yaml", "training.global_batch_size=96",
                   NNODES="2")
     assert out.returncode == 0, out.stderr
