@@ -189,7 +189,8 @@ class IndexedDataset:
         n = self.n_tokens
         if n == 0:
             return None
-        starts = np.unique(np.linspace(0, max(n - window_tokens, 0), windows).astype(np.int64))
+        # (A set, not np.unique: that imports numpy.ma, slow, on every start.)
+        starts = {int(s) for s in np.linspace(0, max(n - window_tokens, 0), windows)}
         return max(int(np.asarray(self.tokens[s:s + window_tokens]).max()) for s in starts)
 
 

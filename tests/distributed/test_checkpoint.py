@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -26,23 +27,31 @@ def _records(run_dir, first_step):
 # is resumed from a background save in test_checkpoint_faults.py's SIGTERM test.) Dropout draws
 # from the random state every step (under TP=2 the attention's tensor-rank streams too): a
 # resume that did not restore it would differ.
-# One process also evaluates and samples text every 2 steps (the samples after the resume are
-# the uninterrupted run's), in bf16: without ZeRO DeepSpeed steps fp32 copies of the weights,
-# which hold the Adam state and must be what is saved and restored.
+# One process is killed after its step-3 save and also evaluates and samples text every 2 steps
+# (the samples after the resume are the uninterrupted run's), in bf16: without ZeRO DeepSpeed
+# steps fp32 copies of the weights, which hold the Adam state and must be what is saved and
+# restored. Under TP=2 the uninterrupted run itself saves at step 3 (saving must not disturb a
+# run) and its later checkpoint is removed, as if the run had died after step 3: what the resume
+# restores is what the kill case shows, at one run less.
 @pytest.mark.parametrize("nproc, layout", [
     (1, ["training.eval_interval=2", "training.sample_tokens=16", "training.precision=bf16"]),
     (2, ["parallel.tensor=2"]),
 ], ids=["one-process", "tp2"])
 def test_resume_after_kill_is_bitwise_exact(tmp_path, nproc, layout):
     full = _args(tmp_path, "training.iters=6", "model.dropout=0.1", *layout)
-    uninterrupted = check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
-    # (A background save announces itself when committed: the kill comes after the commit.)
-    # Steps 5 and 6 (samples 32-47) read slowly in the killed run, so the kill lands before it
-    # can finish and save step 6, however late a loaded machine lets the test see the line.
-    run_pretrain_and_kill([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
-                          f"saved checkpoint {tmp_path}/ck/step_00000003",
-                          env={"FAULT_SLOW_DATA": "32:48:5"})
+    if nproc == 1:
+        uninterrupted = check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=nproc))
+        # (A background save announces itself when committed: the kill comes after the commit.)
+        # Steps 5 and 6 (samples 32-47) read slowly in the killed run, so the kill lands before
+        # it can finish and save step 6, however late a loaded machine lets the test see the line.
+        run_pretrain_and_kill([*full, *ck, f"logging.dir={tmp_path}/killed"], nproc,
+                              f"saved checkpoint {tmp_path}/ck/step_00000003",
+                              env={"FAULT_SLOW_DATA": "32:48:5"})
+    else:
+        uninterrupted = check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/full"], nproc=nproc))
+        shutil.rmtree(tmp_path / "ck/step_00000006")
+        (tmp_path / "ck/latest").write_text("step_00000003\n")
     resumed = check(run_pretrain([*full, *ck, f"logging.dir={tmp_path}/resumed"], nproc=nproc))
     want, got = _records(tmp_path / "full", 4), _records(tmp_path / "resumed", 1)
     assert [r["step"] for r in got] == [4, 5, 6]

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ SLOW_FROM = STOP_AT * 24  # the first slow training sample (global batch 24)
 ELSEWHERE = "198.51.100.7"
 """An address of no machine (TEST-NET-2): a MASTER_ADDR that is not rank 0's node."""
 SECRET = "wandb-test-0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+WORKERS_NODE = "c0ffee" * 9 + "00"
+"""The id of the node the workers start on (a Ray node id: 28 bytes in hex)."""
 
 
 def recipe(tmp, run: str, iters: int = ITERS) -> list[str]:
@@ -68,18 +71,67 @@ def ray_cluster(records: Path, env: dict[str, str], num_cpus: int | None = None)
             os.killpg(head.pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def ray_node(address: str, cpus: int, records: Path, env: dict[str, str],
+             node_id: str | None = None) -> Iterator[None]:
+    """One more Ray node of this machine in ``address``'s cluster, as ``ray start`` on another
+    host joins it, with ``env`` added to the test environment and the id ``node_id`` (Ray's own
+    testing hook; a random one by default); removed (its processes killed) at the end. Its
+    records go to a folder of its own under ``records``, as on another host (in one folder, each
+    node's log monitor would pass every worker's lines to the driver)."""
+    env = {**cpu_env(), **env, "RAY_AUTH_MODE": "disabled"}
+    if node_id:
+        env["RAY_OVERRIDE_NODE_ID_FOR_TESTING"] = node_id
+    own = tempfile.mkdtemp(prefix="n", dir=records)
+    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
+                             f"--num-cpus={cpus}", f"--temp-dir={own}", "--block"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        assert node.stdout is not None
+        for line in node.stdout:
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise AssertionError("the Ray node did not start")
+        threading.Thread(target=node.stdout.read, daemon=True).start()  # its pipe never fills
+        yield
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=60)
+
+
+@dataclass
+class Cluster:
+    """A Ray cluster of this machine: a head without CPUs (the launcher's node, which stays) and
+    one node of 2 CPUs that takes the workers, ``workers_node``."""
+
+    address: str
+    records: Path
+    workers_node: str
+    env: dict[str, str]
+    nodes: contextlib.ExitStack
+
+    def add_node(self) -> None:
+        """Another node of 2 CPUs joins, kept to the cluster's end (an autoscaler's replacement)."""
+        self.nodes.enter_context(ray_node(self.address, 2, self.records, self.env))
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[str, Path]]:
-    """One Ray cluster for this module's runs (starting one costs more than most of them):
-    (its address, the folder of its records). Its workers read training samples from
-    ``SLOW_FROM`` on 0.02 s late (0.24 s per step at 12 samples per rank): the cluster test's stop
-    comes before its run's end however fast the machine; the other runs end long before those
-    samples."""
+def cluster() -> Iterator[Cluster]:
+    """One Ray cluster for this module's runs (starting one costs more than most of them). Its
+    workers read training samples from ``SLOW_FROM`` on 0.02 s late (0.24 s per step at 12
+    samples per rank): the cluster test's stop comes before its run's end however fast the
+    machine; the other runs end long before those samples or do not depend on their pace."""
     # Short: Ray's socket paths under it must fit in 107 characters.
     records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    # Ray Train's preemption watcher polls every 5 s by default: at 1 s, the restart follows the
+    # deadline sooner (the test's time, not what it checks).
+    env = {"FAULT_SLOW_DATA": f"{SLOW_FROM}:{ITERS * 24}:0.02", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
     try:
-        with ray_cluster(records, {"FAULT_SLOW_DATA": f"{SLOW_FROM}:{ITERS * 24}:0.02"}) as (address, _):
-            yield address, records
+        with ray_cluster(records, env, num_cpus=0) as (address, _), contextlib.ExitStack() as nodes:
+            nodes.enter_context(ray_node(address, 2, records, env, node_id=WORKERS_NODE))
+            yield Cluster(address, records, WORKERS_NODE, env, nodes)
     finally:
         shutil.rmtree(records, ignore_errors=True)
 
@@ -126,7 +178,7 @@ def files_holding(text: str, *roots: Path) -> list[Path]:
 
 
 def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stopped(tmp_path, cluster):
-    address, records = cluster
+    address, records = cluster.address, cluster.records
 
     check(run_pretrain(recipe(tmp_path, "torchrun"), nproc=2))
     reference = losses(read_metrics(tmp_path / "torchrun"))
@@ -210,97 +262,47 @@ def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stoppe
     assert f"ray: received the report of step 20: loss {got[20]!r}" in out, out[-3000:]
 
 
-@contextlib.contextmanager
-def ray_node(address: str, cpus: int, records: Path, resources: str = "{}") -> Iterator[None]:
-    """One more Ray node of this machine in ``address``'s cluster, as ``ray start`` on another
-    host joins it; removed (its processes killed) at the end. Its records go to a folder of its
-    own under ``records``, as on another host (in one folder, each node's log monitor would
-    pass every worker's lines to the driver)."""
-    env = {**cpu_env(), "RAY_AUTH_MODE": "disabled"}
-    own = tempfile.mkdtemp(prefix="n", dir=records)
-    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
-                             f"--num-cpus={cpus}", f"--resources={resources}", f"--temp-dir={own}",
-                             "--block"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        assert node.stdout is not None
-        for line in node.stdout:
-            if "Ray runtime started" in line:
-                break
-        else:
-            raise AssertionError("the Ray node did not start")
-        threading.Thread(target=node.stdout.read, daemon=True).start()  # its pipe never fills
-        yield
-    finally:
-        os.killpg(node.pid, signal.SIGKILL)
-        node.wait(timeout=60)
-
-
-def node_with(address: str, resource: str) -> str:
-    """The id of the live node that has ``resource``."""
-    proc = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1]); "
-                           "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and sys.argv[2] in "
-                           "n['Resources']])", address, resource], cwd=REPO,
-                          env={**cpu_env(), "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and len(proc.stdout.split()) == 1, proc.stdout + proc.stderr
-    return proc.stdout.strip()
-
-
-def test_a_preempted_node_saves_and_the_run_goes_on_elsewhere_until_a_worker_is_stopped(tmp_path):
+def test_a_preempted_node_saves_and_the_run_goes_on_elsewhere_until_a_worker_is_stopped(tmp_path, cluster):
     """A preemption as Ray sees it (the cloud's or KubeRay's notice, ``ray start`` given
     SIGTERM): Ray drains the node, ends its workers at the deadline without a signal and starts
     the group on other nodes. Here the workers' node is drained with Ray's own command, as its
     autoscaler does, and a replacement node joins: every rank saves at one step before the
     deadline, the new group resumes from that save and computes the steps the first group had
     run past it, bit for bit. Then SIGTERM to one worker, as to one rank under mpiexec (a node
-    shutting down): every rank saves at one step and the launcher exits 0. A cluster of its own
-    (a drained node leaves it)."""
+    shutting down): every rank saves at one step and the launcher exits 0."""
     ckpt = tmp_path / "ckpt"
-    records = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    # Ray Train's own preemption watcher polls every 5 s by default: at 1 s, the restart follows
-    # the deadline sooner (the test's time, not what it checks).
-    poll = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
-    env = {**cpu_env(), "RAY_AUTH_MODE": "disabled", **poll}
+    env = {**cpu_env(), **cluster.env, "RAY_AUTH_MODE": "disabled"}
     events: dict[str, Any] = {}
-    try:
-        # The head takes no workers: the launcher's own node stays while the workers' goes.
-        with ray_cluster(records, poll, num_cpus=0) as (address, _), \
-                ray_node(address, 2, records, '{"preemptible": 1}'), contextlib.ExitStack() as nodes:
-            preemptible = node_with(address, "preemptible")
 
-            def on_line(line: str, proc: subprocess.Popen) -> None:
-                if "drain" not in events and (logged_step(line) or 0) >= 3:
-                    events["drain"] = subprocess.run(
-                        [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address,
-                         "--node-id", preemptible, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                         "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds",
-                         "6"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-                    nodes.enter_context(ray_node(address, 2, records))  # the autoscaler's replacement
-                if (pid := worker_pid(line, 1)) and "drain" in events:
-                    events["rank1"] = pid  # of the group Ray started elsewhere
-                if "resumed from" in line:
-                    events["resumed"] = True
-                # The run went on elsewhere: end it with SIGTERM to one worker, as a node shutting
-                # down under mpiexec does; the other rank learns of it at the next step.
-                if "resumed" in events and "stop" not in events and "rank1" in events \
-                        and (logged_step(line) or 0) > 0:
-                    events["stop"] = logged_step(line) or 0
-                    os.kill(events["rank1"], signal.SIGTERM)
+    def on_line(line: str, proc: subprocess.Popen) -> None:
+        if "drain" not in events and (logged_step(line) or 0) >= 3:
+            events["drain"] = subprocess.run(
+                [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", cluster.address,
+                 "--node-id", cluster.workers_node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                 "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "6"],
+                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+            cluster.add_node()
+        if (pid := worker_pid(line, 1)) and "drain" in events:
+            events["rank1"] = pid  # of the group Ray started elsewhere
+        if "resumed from" in line:
+            events["resumed"] = True
+        # The run went on elsewhere: end it with SIGTERM to one worker, as a node shutting down
+        # under mpiexec does; the other rank learns of it at the next step.
+        if "resumed" in events and "stop" not in events and "rank1" in events \
+                and (logged_step(line) or 0) > 0:
+            events["stop"] = logged_step(line) or 0
+            os.kill(events["rank1"], signal.SIGTERM)
 
-            status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
-                                  *recipe(tmp_path, "run", 2000), f"checkpoint.dir={ckpt}",
-                                  "checkpoint.save_interval=1000", "--num-workers", "2",
-                                  "--report-interval", "1000", "--address", address], env, on_line,
-                                 timeout=300)
-    finally:
-        shutil.rmtree(records, ignore_errors=True)
+    status, out = launch([sys.executable, str(REPO / "launch" / "ray_train.py"),
+                          *recipe(tmp_path, "run", 2000), f"checkpoint.dir={ckpt}",
+                          "checkpoint.save_interval=1000", "--num-workers", "2", "--report-interval", "1000",
+                          "--address", cluster.address], env, on_line, timeout=300)
     (tmp_path / "launcher.log").write_text(out)
     drain = events.get("drain")
     assert isinstance(drain, subprocess.CompletedProcess) and drain.returncode == 0, (drain, out[-6000:])
     assert status == 0, out[-6000:]
-    saved = re.findall(rf"saving at step (\d+): Ray drains node {preemptible[:12]} \(ranks 0, 1; its "
-                       r"deadline is in \d+ s\)", out)
+    saved = re.findall(rf"saving at step (\d+): Ray drains node {cluster.workers_node[:12]} "
+                       r"\(ranks 0, 1; its deadline is in \d+ s\)", out)
     assert len(saved) == 1, out[-6000:]
     step = int(saved[0])
     assert f"saved checkpoint {ckpt}/step_{step:08d}" in out
@@ -344,13 +346,13 @@ def test_a_failing_worker_ends_the_launcher_with_its_reason(tmp_path, cluster):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "ray_train.py"),
                            "recipes/shakespeare-char.yaml", f"data.prefix={tmp_path}/missing",
                            "data.build_from=null", "training.global_batch_size=24",
-                           f"logging.dir={tmp_path}/run", "--num-workers", "2", "--address", cluster[0]],
+                           f"logging.dir={tmp_path}/run", "--num-workers", "1", "--address", cluster.address],
                           cwd=REPO, env={**cpu_env(), "RAY_AUTH_MODE": "disabled"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"error: training failed on Ray \(--max-failures 0\): rank [01]: "
+        r"error: training failed on Ray \(--max-failures 0\): rank 0: "
         rf"dataset '{tmp_path}/missing.bin/.idx' "
         "does not exist; build it with tools/preprocess_data.py or set data.build_from to the raw text "
         "to build it from", last), proc.stderr[-3000:]
