@@ -33,16 +33,16 @@ BYTES_PER_PARAMETER = 12  # fp32 weight + Adam's two moments
 
 
 def _warm(_: int) -> None:
-    from megatron_lite.checkpoint import store  # noqa: F401
+    from megatron_lite.checkpoint import manifest  # noqa: F401
 
 
 def _verify_share(args: tuple[str, int, int]) -> float:
-    from megatron_lite.checkpoint import store
+    from megatron_lite.checkpoint.manifest import read_manifest, verify
 
     path, rank, world = args
     start = time.perf_counter()
-    manifest = store.read_manifest(Path(path))
-    store.verify(Path(path), manifest, manifest["files"][rank::world])
+    manifest = read_manifest(Path(path))
+    verify(Path(path), manifest, manifest["files"][rank::world])
     return time.perf_counter() - start
 
 

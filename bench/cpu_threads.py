@@ -58,7 +58,7 @@ def worker(a: argparse.Namespace) -> None:
     dims = None
     if a.case == "gradient all-reduce":
         from megatron_lite.distributed import collectives, detect, init_distributed
-        from megatron_lite.distributed.parallel_dims import shutdown_distributed
+        from megatron_lite.distributed.startup import shutdown_distributed
 
         # The run's own process groups (global batch: micro-batch × the ranks), as under torchrun.
         layout = ["training.device=cpu", "training.global_batch_size=null",

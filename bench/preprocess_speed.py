@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from megatron_lite.data.indexed import IndexedDataset, token_dtype  # noqa: E402
-from megatron_lite.data.preprocess import preprocess  # noqa: E402
+from megatron_lite.data.preprocess import PreprocessOptions, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import load_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "shakespeare_works.jsonl"
@@ -175,8 +175,9 @@ def main() -> None:
         for kind, model in models.items():
             for w in a.workers:
                 t = time.perf_counter()
-                s = preprocess([str(corpus)], str(tmp / f"ours{w}"), ["text"], kind, model,
-                               append_eod=True, workers=w, log=lambda *_: None, show_progress=False)
+                s = preprocess([str(corpus)], str(tmp / f"ours{w}"),
+                               PreprocessOptions(kind, model, append_eod=True, workers=w,
+                                                 show_progress=False), log=lambda *_: None)
                 ours_s = time.perf_counter() - t
                 ours_tokens = s.tokens["text"]
                 assert ours_tokens == IndexedDataset(tmp / f"ours{w}_text_document").n_tokens

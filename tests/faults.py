@@ -404,7 +404,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),
     "FAULT_DISK_SIZE": ("megatron_lite.checkpoint.store", _disk_size),
     "FAULT_SAMPLE_ERROR": ("megatron_lite.training.generate", _sample_error),
-    "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess", _kill_tokenizer_on),
+    "FAULT_KILL_TOKENIZER_ON": ("megatron_lite.data.preprocess.encode", _kill_tokenizer_on),
     "RECORD_RANK_FILE_READS": ("megatron_lite.checkpoint.store", _record_rank_file_reads),
     "RECORD_STEP_SYNCS": ("megatron_lite.training.trainer", _record_step_syncs),
 }

@@ -41,7 +41,7 @@ MUTATIONS = [
              ("tests/distributed/test_layouts.py::test_layout_matches_single_process[tp2-megatron-sp]",
               "tests/distributed/test_layouts.py::test_layout_matches_single_process[tp2xpp2]")),
     Mutation("zero-falls-back-to-0", "the ZeRO stage asked for is the one DeepSpeed runs",
-             "megatron_lite/training/engine.py",
+             "megatron_lite/engine/config.py",
              '"zero_optimization": {"stage": cfg.parallel.deepspeed_zero_stage}',
              '"zero_optimization": {"stage": min(cfg.parallel.deepspeed_zero_stage, 1)}',
              ("tests/distributed/test_layouts.py::test_layout_matches_single_process[dp2-zero2]",)),
@@ -72,7 +72,7 @@ MUTATIONS = [
              ("tests/distributed/test_step_syncs.py::"
               "test_a_nonfinite_step_skipped_by_the_device_equals_one_declined_by_the_host",)),
     Mutation("no-partitioned-init", "a ZeRO-3 rank never builds its whole part of the model",
-             "megatron_lite/training/engine.py",
+             "megatron_lite/engine/initialize.py",
              "if cfg.parallel.deepspeed_zero_stage != 3 or cfg.model.fp8:", "if True:",
              ("tests/distributed/test_partitioned_init.py::"
               "test_a_zero3_rank_never_holds_more_than_its_share_and_one_parameter",)),

@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.data.indexed import dataset_exists  # noqa: E402
-from megatron_lite.data.preprocess import TEXT_SPLITS, preprocess  # noqa: E402
-from megatron_lite.data.preprocess_ranks import PartsPending  # noqa: E402
+from megatron_lite.data.preprocess import TEXT_SPLITS, PartsPending, PreprocessOptions, preprocess  # noqa: E402
 from megatron_lite.distributed.launcher_env import detect  # noqa: E402
 from tools._cli_args import positive_int  # noqa: E402
 
@@ -99,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
               "to replace it", file=sys.stderr)
         return 2
     try:
-        preprocess(args.input, args.output_prefix, args.json_keys, TYPES[args.tokenizer_type],
-                   args.tokenizer_model, append_eod=args.append_eod, workers=args.workers,
-                   text_split=args.text_split, strict=args.strict,
-                   show_progress=False if args.no_progress else None, split=args.split,
-                   streaming=args.streaming, rank=rank, world=world, wait=wait)
+        options = PreprocessOptions(TYPES[args.tokenizer_type], args.tokenizer_model, tuple(args.json_keys),
+                                    append_eod=args.append_eod, text_split=args.text_split,
+                                    strict=args.strict, workers=args.workers, split=args.split,
+                                    streaming=args.streaming,
+                                    show_progress=False if args.no_progress else None)
+        preprocess(args.input, args.output_prefix, options, rank=rank, world=world, wait=wait)
     except PartsPending as e:
         print(str(e), file=sys.stderr)
         return PENDING

@@ -15,6 +15,7 @@ import yaml
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import architecture
+from megatron_lite.checkpoint.manifest import listed_file, read_manifest, verify
 from megatron_lite.checkpoint.shards import Assembler, Fragment, file_fragments, shape_mismatches
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model import build_model
@@ -45,11 +46,11 @@ def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
     The manifest's model fields are compared with the shapes its fragments record before any
     weight is assembled: a field that does not describe them is refused by name."""
     path = resolve(path)
-    manifest = store.read_manifest(path, required=("model", "data"))
-    store.verify(path, manifest)
+    manifest = read_manifest(path, required=("model", "data"))
+    verify(path, manifest)
     fragments = []
     for entry in manifest["files"]:
-        file = store.listed_file(path, entry)
+        file = listed_file(path, entry)
         state = store.load_rank_file(file)
         try:
             if not (isinstance(state, dict) and isinstance(state.get("fragments"), list)):

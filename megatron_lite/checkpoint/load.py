@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
+from megatron_lite.checkpoint.manifest import RESUME_SECTIONS, listed_file, read_manifest, verify
 from megatron_lite.checkpoint.run_state import restore_rng, restore_trainer_state
 from megatron_lite.checkpoint.shard_index import has_fragment_index, needed_files
 from megatron_lite.checkpoint.shards import Assembler, file_fragments, load_fragments, shape_mismatches
@@ -83,7 +84,7 @@ class CheckpointReader:
         candidates = []
         for path in paths:
             try:
-                candidates.append((path, store.read_manifest(path, store.RESUME_SECTIONS)))
+                candidates.append((path, read_manifest(path, RESUME_SECTIONS)))
             except CheckpointError as e:
                 if not ck.load_fallback:
                     raise CheckpointError(f"cannot resume: {e}. Set checkpoint.load_fallback=true to "
@@ -101,7 +102,7 @@ class CheckpointReader:
         share = manifest["files"][self.dims.rank::self.dims.world_size]
         problem = None
         try:
-            store.verify(path, manifest, share)
+            verify(path, manifest, share)
         except CheckpointError as e:
             # Which rank saw it: on a shared filesystem, which node's view of the file is bad.
             problem = f"{e} (checked by rank {self.dims.rank})" if self.dims.world_size > 1 else str(e)
@@ -146,7 +147,7 @@ class CheckpointReader:
         fresh start."""
         def choices() -> list[tuple[Path, dict]]:
             if target is not None:
-                return [(target, store.read_manifest(target, store.RESUME_SECTIONS))]
+                return [(target, read_manifest(target, RESUME_SECTIONS))]
             return self._candidates()
 
         candidates = on_one_rank_then_all(
@@ -175,7 +176,7 @@ class CheckpointReader:
                       if has_fragment_index(manifest["files"]) else None)
             fragments = []
             for entry in manifest["files"] if wanted is None else wanted:
-                file = store.listed_file(path, entry)
+                file = listed_file(path, entry)
                 states[entry["name"]] = store.load_rank_file(file)
                 try:
                     fragments += file_fragments(states[entry["name"]], file.stat().st_size)

@@ -9,6 +9,7 @@ from pathlib import Path
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.load import CheckpointReader
+from megatron_lite.checkpoint.manifest import RESUME_SECTIONS, read_manifest
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.distributed.collectives import on_one_rank_then_all
 
@@ -53,7 +54,7 @@ class Rollbacks:
                 return out
             for path in store.committed_steps(self.root):
                 try:
-                    manifest = store.read_manifest(path, store.RESUME_SECTIONS)
+                    manifest = read_manifest(path, RESUME_SECTIONS)
                 except Exception as e:  # one unreadable checkpoint: the others may do
                     self.log(f"warning: not rolling back to {path}: {e}")
                     continue

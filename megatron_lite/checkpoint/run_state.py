@@ -10,7 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from megatron_lite.distributed.deepspeed_internals import torch_optimizer
+from megatron_lite.engine import internals as ds
+from megatron_lite.engine.internals import torch_optimizer
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 
 
@@ -33,11 +34,12 @@ def trainer_state(engine, extra: dict | None) -> dict:
     """Rank 0's trainer state: the scheduler and its schedule, Adam's step count, DeepSpeed's
     step and sample counters, and ``extra`` (the trainer's own)."""
     scheduler = engine.lr_scheduler
+    steps, samples = ds.step_counters(engine)
     return {
         "scheduler": scheduler.state_dict() if scheduler else None,
         "schedule": scheduler.schedule.to_dict() if isinstance(scheduler, ScheduledLR) else None,
         "adam_step": _adam_step(engine),
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "global_steps": steps, "global_samples": samples,
         "extra": extra,
     }
 
@@ -52,7 +54,7 @@ def restore_trainer_state(engine, state: dict,
         # Also sets the rate on the optimizer, which the scheduler's state does not hold.
         scheduler.follow(follow(state.get("schedule"), scheduler.schedule))
     _set_adam_step(engine, state["adam_step"])
-    engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
+    ds.set_step_counters(engine, state["global_steps"], state["global_samples"])
 
 
 def _numpy_rng_state() -> tuple:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.shard_spec import Cut, spec, whole_shape
+from megatron_lite.engine import internals as ds
 
 IndexEntry = tuple[str, tuple[Cut, ...], tuple[int, ...], int, int]
 """A fragment as a manifest lists it: (name, cuts, slice_shape, start, numel)."""

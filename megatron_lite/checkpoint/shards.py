@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from megatron_lite.checkpoint.shard_index import held_range
-from megatron_lite.distributed import deepspeed_internals as ds
-from megatron_lite.distributed.deepspeed_internals import torch_optimizer
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec, whole_shape
+from megatron_lite.engine import internals as ds
+from megatron_lite.engine.internals import torch_optimizer
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 

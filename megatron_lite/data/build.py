@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megatron_lite.config.schema import DataConfig
 from megatron_lite.data.indexed import dataset_exists, datasets_under
-from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.preprocess import PreprocessOptions, preprocess
 from megatron_lite.data.tokenizers import CharTokenizer
 
 SUFFIX = "_text_document"
@@ -90,5 +90,6 @@ def ensure_dataset(cfg: DataConfig, log=print) -> None:
         CharTokenizer.build(text, tok.model)
         log(f"built char vocabulary {tok.model}")
     log(f"building dataset {cfg.prefix} from {source}")
-    preprocess([str(source)], cfg.prefix[: -len(SUFFIX)], ["text"], tok.type, tok.model,
-               append_eod=tok.type != "char", log=log, show_progress=False)
+    preprocess([str(source)], cfg.prefix[: -len(SUFFIX)],
+               PreprocessOptions(tok.type, tok.model, append_eod=tok.type != "char", show_progress=False),
+               log=log)

@@ -20,8 +20,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 OP = "deepspeed_shm_comm"
+# How every op builder builds: torch's function, looked up when the build runs (before_every_op_build;
+# pinned in engine/internals.py's RELIED_ON).
+OP_BUILD_CALL = "from torch.utils.cpp_extension import load"
 STALE_AFTER_S = 300.0  # a build writes an object file at least every minute or two
 ANNOUNCE_EVERY_S = 30.0
 
@@ -115,7 +119,6 @@ def guard_op_builds(log: Callable[[str], None]) -> None:
     communication op, CPU Adam, async I/O, pinned memory, GPU ops: any op builder's) first goes
     through ``wait_for_build``, so none can wait silently on a stale lock. Calling it again only
     changes ``log``."""
-    from megatron_lite.distributed.deepspeed_internals import before_every_op_build
 
     def guard(name: str, directory: str | None) -> None:
         wait_for_build(log, name, Path(directory) if directory else None)
@@ -152,3 +155,32 @@ def build(nvme: bool = True) -> None:
     else:
         print("DeepSpeed's async-I/O op (NVMe offload) is not built: libaio's headers and library "
               "are missing (apt install libaio-dev)")
+
+
+_op_build_hooks: list[Callable[[str, str | None], None]] = []
+
+
+def before_every_op_build(hook: Callable[[str, str | None], None]) -> None:
+    """Run ``hook(name, build_directory or None)`` before every op DeepSpeed builds or loads just
+    in time, in place of the one given before. Every op builder's ``jit_load`` (``OpBuilder``'s,
+    which CPU, CUDA and HPU builders inherit, and XPU's own) imports torch's
+    ``cpp_extension.load`` when it runs (``OP_BUILD_CALL``) and calls it with the op's name, so
+    wrapping that function reaches every op, whichever copy of the builders (DeepSpeed's
+    ``ops.op_builder`` or a prebuilt ``op_builder``) it comes from."""
+    import inspect
+
+    import torch.utils.cpp_extension as cpp
+
+    _op_build_hooks[:] = [hook]
+    if getattr(cpp.load, "_runs_op_build_hook", False):
+        return
+    original, signature = cpp.load, inspect.signature(cpp.load)
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs).arguments
+        for run_hook in _op_build_hooks:
+            run_hook(arguments["name"], arguments.get("build_directory"))
+        return original(*args, **kwargs)
+
+    load.__doc__, load._runs_op_build_hook = original.__doc__, True
+    cpp.load = load

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from megatron_lite.config.schema import Config
-from megatron_lite.distributed import collectives, cpu_extensions
-from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.launcher_env import LaunchEnv
 
 
 class TopologyError(ValueError):
@@ -91,7 +87,7 @@ class ParallelDims:
     def deepspeed_data(self) -> int:
         """The data-parallel size DeepSpeed sees: one shard group under HSDP; under pipeline
         parallelism the Ulysses ranks too (the pipeline engine's topology has no sequence axis:
-        ``parallel/pipeline.py``)."""
+        ``engine/pipeline.py``)."""
         if self.pipeline > 1:
             return self.data * self.ulysses
         return self.hsdp_shard_size or self.data
@@ -176,9 +172,6 @@ class ParallelDims:
             return None
         raise KeyError(f"process group '{name}' does not exist: ParallelDims.create_groups was not called")
 
-    def mpu(self) -> ModelParallelUnit:
-        return ModelParallelUnit(self)
-
     @staticmethod
     def plan(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0,
              local_world_size: int = 1) -> ParallelDims:
@@ -216,185 +209,3 @@ class ParallelDims:
 
     def grad_accumulation(self, cfg: Config) -> int:
         return self.global_batch(cfg) // (cfg.training.micro_batch_size * self.data)
-
-
-class ModelParallelUnit:
-    """The ``mpu`` interface DeepSpeed's engine queries (Megatron's names). Used without
-    pipeline parallelism; the pipeline engine builds its own from the same rank order.
-
-    Under HSDP, DeepSpeed's data-parallel world is the shard group: ZeRO-3 shards, gathers and
-    reduces gradients there and knows nothing of the replicas, whose gradient average
-    ``StepRunner`` adds (one all-reduce of each rank's gradient shard over its replica group).
-    """
-
-    def __init__(self, dims: ParallelDims):
-        self.dims = dims
-        # HSDP holds no Ulysses ranks (config validation), so data and data × Ulysses coincide.
-        self._deepspeed_data = "shard" if dims.hsdp_shard_size else None
-
-    def _size(self, name: str) -> int:
-        d = self.dims
-        if self._deepspeed_data and name in ("data", "sequence_data"):
-            return d.deepspeed_data
-        return {"sequence_data": d.data * d.ulysses}.get(name) or d.size(name)
-
-    def _rank(self, name: str) -> int:
-        d = self.dims
-        if self._deepspeed_data and name in ("data", "sequence_data"):
-            return d.shard_rank
-        if name == "sequence_data":
-            return d.dp_rank * d.ulysses + d.ulysses_rank
-        return d.coordinate(name)
-
-    def _group(self, name: str):
-        if self._deepspeed_data and name in ("data", "sequence_data"):
-            name = self._deepspeed_data
-        return self.dims.group(name)
-
-    # tensor (= model) parallel
-    def get_model_parallel_group(self):
-        return self._group("tensor")
-
-    def get_model_parallel_rank(self) -> int:
-        return self._rank("tensor")
-
-    def get_model_parallel_world_size(self) -> int:
-        return self._size("tensor")
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.dims.rank - self.dims.tp_rank
-
-    # data parallel
-    def get_data_parallel_group(self):
-        return self._group("data")
-
-    def get_data_parallel_rank(self) -> int:
-        return self._rank("data")
-
-    def get_data_parallel_world_size(self) -> int:
-        return self._size("data")
-
-    # Ulysses sequence parallel, and the ranks that average gradients (data × sequence)
-    def get_sequence_parallel_group(self):
-        return self._group("ulysses")
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self._rank("ulysses")
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self._size("ulysses")
-
-    def get_sequence_data_parallel_group(self):
-        return self._group("sequence_data")
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self._rank("sequence_data")
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self._size("sequence_data")
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return 0
-
-
-def init_distributed(cfg: Config, env: LaunchEnv):
-    """Start the process group, create the parallel groups and pick this rank's device.
-    Returns (ParallelDims, accelerator)."""
-    # HSDP's default shard group is one node's ranks, a count each rank has from its own
-    # launcher: planned once the ranks agree on it (a rank refusing alone, or building other
-    # groups, would leave the others waiting). Until then the whole data axis stands in.
-    node_sized = cfg.parallel.hsdp and cfg.parallel.hsdp_shard_size is None and env.world_size > 1
-    dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank,
-                             env.world_size if node_sized else env.local_world_size)
-    acc = devmod.select_accelerator(cfg.training.device, cfg.training.hpu_mode)
-    devmod.set_matmul_precision(acc, cfg.training.tf32)
-    if acc.device_name() == "cpu" and cfg.training.cpu_retain_freed_memory:
-        devmod.retain_freed_host_memory()
-    env.export()
-    if acc.device_name() != "cpu":
-        acc.set_device(env.local_rank)
-    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
-    # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
-    collectives.set_default_timeout(timeout)
-    # Before DeepSpeed builds any op: the communication op on CPU (below), CPU Adam and async I/O
-    # with offload, its GPU ops; none may wait silently on a lock a stopped build left.
-    if acc.device_name() == "cpu":
-        cpu_extensions.use_environment_extensions_dir()
-    cpu_extensions.guard_op_builds(print if env.local_rank == 0 else (lambda _: None))
-    if not dist.is_initialized():
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=devmod.communication_backend(acc),
-                                   auto_mpi_discovery=False, verbose=False, timeout=timeout)
-    setup = timedelta(minutes=cfg.distributed.setup_timeout_minutes)
-    if node_sized:
-        dims.create_control_groups(timeout, setup)
-        groups = dims.groups
-        dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, agreed_node_size(dims, env))
-        dims.groups.update(groups)
-    dims.create_groups(timeout, setup)
-    return dims, acc
-
-
-def agreed_node_size(dims: ParallelDims, env: LaunchEnv) -> int:
-    """Collective (control group): the ranks per node every rank's launcher reports, when they
-    all report the same; else every rank raises the same ``TopologyError``."""
-    sizes = collectives.all_gather_object(env.local_world_size, dims,
-                                          "the ranks per node (HSDP's shard group)")
-    if len(set(sizes)) == 1:
-        return sizes[0]
-    by_size: dict[int, list[int]] = {}
-    for rank, size in enumerate(sizes):
-        by_size.setdefault(size, []).append(rank)
-    seen = "; ".join(f"{_ranks_text(ranks)}: {size} per node" for size, ranks in by_size.items())
-    raise TopologyError(
-        f"parallel.hsdp: the default shard group is the ranks of one node, but the launcher places "
-        f"different numbers of ranks on the nodes ({seen}); run the same number of ranks on every "
-        "node, or set parallel.hsdp_shard_size")
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ",".join(map(str, ranks))
-
-
-def shutdown_distributed(dims: ParallelDims) -> None:
-    """After a successful run: wait for every rank, then tear the process groups down in order
-    (left to interpreter exit, gloo's threads can abort the process)."""
-    if dist.is_initialized():
-        try:
-            collectives.barrier(dims, "the end of the run")
-        except BaseException:
-            abandon_distributed()
-            raise
-        dist.destroy_process_group()
-
-
-def abandon_distributed(wait_seconds: float = 30.0) -> None:
-    """After a failure on this rank: tear the process groups down locally, without waiting for
-    the other ranks (they may be the ones that failed). Left to interpreter exit, gloo's and the
-    store's C++ threads can abort the process ("terminate called without an active exception"),
-    turning a clean one-line error into a crash. A backend whose teardown blocks on a peer cannot
-    keep the rank from exiting: the teardown gets `wait_seconds`, then the rank goes on."""
-    if not dist.is_initialized():
-        return
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
-            pass
-
-    teardown = threading.Thread(target=destroy, name="abandon-process-groups", daemon=True)
-    teardown.start()
-    teardown.join(wait_seconds)

@@ -255,7 +255,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``x`` (B, T) -> logits (B, T, V), or the mean loss with targets.
 
-        A pipeline stage is this model with some parts removed (``parallel/pipeline.py``), and
+        A pipeline stage is this model with some parts removed (``parallel/stages.py``), and
         runs the parts it has: after the first stage ``x`` is the hidden states (B, T, D) of the
         one before; a stage before the last returns its hidden states, the last its normed ones
         (its output layer is the pipeline's loss)."""

@@ -19,6 +19,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.device import DeviceKernels
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
+from megatron_lite.engine.versions import ulysses_head_problems
 from megatron_lite.model.loss import compiles_softmax_pass, linear_cross_entropy, softmax_xent_grad
 from megatron_lite.model.transformer import (
     Block,
@@ -29,7 +30,6 @@ from megatron_lite.model.transformer import (
     initial_value,
 )
 from megatron_lite.parallel import comm
-from megatron_lite.parallel.deepspeed_versions import ulysses_head_problems
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
     ColumnParallelLinear,

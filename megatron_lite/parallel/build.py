@@ -19,21 +19,23 @@ from torch import nn
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import tag
+from megatron_lite.engine.pipeline import loss_scale, pipeline_module
 from megatron_lite.model.flops import parameter_counts
 from megatron_lite.model.transformer import Transformer
 from megatron_lite.parallel.apply import materialize, parallelize
-from megatron_lite.parallel.pipeline import keep_stage, pipeline_module, stage_layers
+from megatron_lite.parallel.stages import keep_stage, stage_layers
 from megatron_lite.parallel.tiling import tile_linears
 
 
 def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
                          partition: str = "parameters", tile_factor: int = 1,
                          zero_partition: Callable[[nn.Parameter], None] | None = None,
-                         dtype: torch.dtype | None = None) -> nn.Module:
+                         dtype: torch.dtype | None = None, grad_accum: int = 1) -> nn.Module:
     """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
     ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``);
     ``tile_factor``: each block linear cut into that many × that many tiles;
-    ``zero_partition``, ``dtype``: ZeRO-3's partitioned initialisation (``materialize``)."""
+    ``zero_partition``, ``dtype``: ZeRO-3's partitioned initialisation (``materialize``);
+    ``grad_accum``: the accumulation steps of a step (the pipeline's loss scale)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     tag(model)
@@ -43,4 +45,5 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
         return materialize(model, cfg, device, seed, zero_partition, dtype)
     first, end, _ = stage_layers(parameter_counts(cfg), dims.pipeline, partition)[dims.pp_rank]
     keep_stage(model, range(first, end), first=dims.pp_rank == 0, last=dims.pp_rank == dims.pipeline - 1)
-    return pipeline_module(materialize(model, cfg, device, seed), dims, cfg.tie_embeddings)
+    return pipeline_module(materialize(model, cfg, device, seed), dims, cfg.tie_embeddings,
+                           loss_scale(dims, grad_accum))

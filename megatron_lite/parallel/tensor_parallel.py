@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.distributed import collectives, deepspeed_internals
+from megatron_lite.distributed import collectives
 from megatron_lite.distributed.shard_spec import set_spec, spec
+from megatron_lite.engine import internals
 from megatron_lite.parallel import comm
 
 
@@ -25,7 +26,7 @@ def slice_of(param: nn.Parameter, dim: int, rank: int, size: int) -> nn.Paramete
     shape[dim] = shape[dim] // size
     out = nn.Parameter(torch.empty(shape, device=param.device, dtype=param.dtype))
     set_spec(out, spec(param).sliced(dim, rank, size))
-    deepspeed_internals.mark_tensor_parallel(out)
+    internals.mark_tensor_parallel(out)
     return out
 
 

@@ -48,7 +48,7 @@ from megatron_lite.distributed.device import DeviceSpec
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.model.flops import ParameterCounts, flops_per_token, parameter_counts
 from megatron_lite.model.loss import chunk_rows, compiles_softmax_pass
-from megatron_lite.parallel.pipeline import stage_layers
+from megatron_lite.parallel.stages import stage_layers
 
 GB = 1e9
 

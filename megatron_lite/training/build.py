@@ -15,12 +15,12 @@ import torch
 from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.engine.initialize import build_engine, partitioned_init
 from megatron_lite.model import flops_per_token, resolve_model
 from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.engine import build_engine, partitioned_init
 from megatron_lite.training.step import StepRunner
 
 
@@ -75,7 +75,7 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
     zero_partition, dtype = partitioned_init(cfg, dims)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition, cfg.parallel.tile_factor,
-                                 zero_partition, dtype)
+                                 zero_partition, dtype, dims.grad_accumulation(cfg))
     device_type = acc.device_name()
     notes = []
     kernels = devmod.device_kernels(acc)

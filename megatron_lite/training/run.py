@@ -17,13 +17,13 @@ from megatron_lite.data.tokenizers import vocab_size_offline
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
 from megatron_lite.distributed.launcher_env import LaunchEnv
-from megatron_lite.distributed.parallel_dims import abandon_distributed, shutdown_distributed
+from megatron_lite.distributed.startup import abandon_distributed, shutdown_distributed
+from megatron_lite.engine.config import deepspeed_config
+from megatron_lite.engine.versions import limitations as deepspeed_limitations
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.logging.console import emit_line
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
-from megatron_lite.parallel.deepspeed_versions import limitations as deepspeed_limitations
 from megatron_lite.training.build import build
-from megatron_lite.training.engine import deepspeed_config
 from megatron_lite.training.trainer import RunResult, Trainer
 
 

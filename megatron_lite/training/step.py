@@ -36,10 +36,11 @@ import torch
 
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed import collectives
-from megatron_lite.distributed import deepspeed_internals as ds
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
-from megatron_lite.training.engine import trainer_clips_gradients
+from megatron_lite.engine import internals as ds
+from megatron_lite.engine.config import trainer_clips_gradients
+from megatron_lite.engine.pipeline import loss_scale
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
 from megatron_lite.training.timing import NoClock
 
@@ -83,6 +84,8 @@ class StepRunner:
         # Where Gaudi's lazy mode runs the graph built so far (device.graph_break); else a no-op.
         self.graph_break = graph_break
         self.pipelined = dims.pipeline > 1
+        # The factor the pipeline's training losses carry (the pipeline module was built with it).
+        self.train_scale = loss_scale(dims, grad_accum) if self.pipelined else 1.0
         self.own_clipping = trainer_clips_gradients(cfg) and not self.pipelined
         # Taken once: walking the module's parameters costs as much per step as a small model's
         # optimizer update (the parameters are fixed once the engine is built).
@@ -141,8 +144,8 @@ class StepRunner:
         """This rank's summed micro-batch losses of the step (a device scalar), or None on a
         pipeline stage that holds none."""
         if self.pipelined:
-            engine = self.engine
-            return engine.total_loss / self._pipeline_scale() if engine.is_last_stage() else None
+            loss = ds.pipeline_step_loss(self.engine)
+            return loss / self.train_scale if loss is not None else None
         return self._loss_sum
 
     def _report_now(self, norm: float | None) -> StepReport:
@@ -159,10 +162,6 @@ class StepRunner:
         """The global gradient norm as DeepSpeed (or our clipping) left it: a device scalar where
         it stays on the device, a float where DeepSpeed read it already, or None."""
         return self.grad_norm if self.own_clipping else ds.reported_grad_norm(self.engine)
-
-    def _pipeline_scale(self) -> float:
-        """The factor the pipeline's training losses carry (``train_scale``, parallel/pipeline.py)."""
-        return getattr(self.engine.module, "train_scale", 1.0)
 
     def _norm_now(self) -> float | None:
         """The global gradient norm DeepSpeed (or our clipping) computed for this step, read."""
@@ -227,7 +226,7 @@ class StepRunner:
             self.grad_norm = engine.get_global_grad_norm()
             if self.judge is not None:
                 self._after_step()
-            return loss.detach().float() * self.grad_accum / self._pipeline_scale()
+            return loss.detach().float() * self.grad_accum / self.train_scale
         loss_sum = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)
         for micro in range(self.grad_accum):

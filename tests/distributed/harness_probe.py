@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import collectives, detect, init_distributed
-from megatron_lite.distributed.parallel_dims import shutdown_distributed
+from megatron_lite.distributed.startup import shutdown_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

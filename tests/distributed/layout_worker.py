@@ -17,8 +17,9 @@ from megatron_lite.config import load_config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import mean_over_ranks
-from megatron_lite.distributed.deepspeed_internals import torch_optimizer
-from megatron_lite.distributed.parallel_dims import ParallelDims, shutdown_distributed
+from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.startup import shutdown_distributed
+from megatron_lite.engine.internals import torch_optimizer
 from megatron_lite.parallel import local_shards
 from megatron_lite.training.build import build
 

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import shutdown_distributed
+from megatron_lite.distributed.startup import shutdown_distributed
 from megatron_lite.training.build import build
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.parallel_dims import shutdown_distributed
+from megatron_lite.distributed.startup import shutdown_distributed
+from megatron_lite.engine.initialize import partitioned_init
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import apply, build_parallel_model
 from megatron_lite.planner.estimate import estimate, largest_gathered
-from megatron_lite.training.engine import partitioned_init
 from megatron_lite.training.entry import exit_process
 
 out = Path(sys.argv[1])  # each rank its own file: lines two ranks print at once can interleave

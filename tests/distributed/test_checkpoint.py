@@ -115,8 +115,8 @@ def test_checkpoint_loads_into_another_layout(tmp_path, uninterrupted, save, res
 
 
 def _gathered_state(path):
+    from megatron_lite.checkpoint.manifest import read_manifest
     from megatron_lite.checkpoint.shards import STATE_KEYS, Assembler, Fragment
-    from megatron_lite.checkpoint.store import read_manifest
 
     manifest = read_manifest(path)
     fragments = [Fragment.from_dict(d) for f in manifest["files"]

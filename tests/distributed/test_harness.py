@@ -107,9 +107,9 @@ from megatron_lite.config import load_config
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.deepspeed_versions import GAS_SCALING_ALWAYS, deepspeed_version
-from megatron_lite.training import engine as engine_module
-from megatron_lite.training.engine import build_engine
+from megatron_lite.engine.versions import GAS_SCALING_ALWAYS, deepspeed_version
+from megatron_lite.engine import initialize as engine_module
+from megatron_lite.engine.initialize import build_engine
 from megatron_lite.training.step import StepRunner
 from packaging.version import Version
 

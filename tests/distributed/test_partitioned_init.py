@@ -1,4 +1,4 @@
-"""ZeRO-3's partitioned initialisation (training/engine.py ``partitioned_init``): while the model
+"""ZeRO-3's partitioned initialisation (engine/initialize.py ``partitioned_init``): while the model
 is built, a rank holds its ZeRO partition of it and one whole parameter at most, never its whole
 part of the model; the planner's per-rank weight bytes are the bound. (That every ZeRO-3 layout
 still starts from the single-process weights is test_layouts.py's.)"""

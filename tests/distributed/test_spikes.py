@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron_lite.parallel.deepspeed_versions import BF16_NONFINITE_SKIPPED, deepspeed_version
+from megatron_lite.engine.versions import BF16_NONFINITE_SKIPPED, deepspeed_version
 from tests.conftest import (
     REPO,
     TINY_SHAKESPEARE,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from megatron_lite.data.preprocess import PreprocessError, preprocess
-from megatron_lite.data.preprocess_ranks import piece_blocks, rank_inputs
+from megatron_lite.data.preprocess import PreprocessError, PreprocessOptions, preprocess
+from megatron_lite.data.preprocess.pieces import piece_blocks, rank_inputs
 from megatron_lite.data.tokenizers import CharTokenizer
 from tests.conftest import REPO, WORKS_JSONL, cpu_env, require_shared
 
@@ -57,11 +57,10 @@ def test_two_and_three_ranks_under_mpiexec_write_the_single_process_dataset(tmp_
     chars = tmp_path / "chars.json"
     CharTokenizer.build("".join(sorted({c for line in lines for c in json.loads(line)["text"]})), chars)
     inputs = [str(data / n) for n in ("a.jsonl", "b.jsonl.gz", "c.jsonl")]
-    one = preprocess(inputs, str(tmp_path / "one"), ["text"], "char", str(chars), log=lambda *_: None,
-                     show_progress=False)
+    quiet = PreprocessOptions("char", str(chars), show_progress=False)
+    one = preprocess(inputs, str(tmp_path / "one"), quiet, log=lambda *_: None)
     assert one.documents == 12 and one.counts
-    gz_only = preprocess([inputs[1]], str(tmp_path / "gz"), ["text"], "char", str(chars), log=lambda *_: None,
-                         show_progress=False)
+    gz_only = preprocess([inputs[1]], str(tmp_path / "gz"), quiet, log=lambda *_: None)
     assert gz_only.documents == 2
     # 3 ranks over one compressed file: two ranks have nothing (empty parts merge too).
     cases = [(2, inputs, "one", 12), (3, inputs, "one", 12), (3, inputs[1:2], "gz", 2)]
@@ -87,7 +86,7 @@ def test_bad_ranks_and_hub_datasets_on_several_ranks_are_refused(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "ab"}\n')
     CharTokenizer.build("ab", tmp_path / "chars.json")
-    args = ([str(path)], str(tmp_path / "o"), ["text"], "char", str(tmp_path / "chars.json"))
+    args = ([str(path)], str(tmp_path / "o"), PreprocessOptions("char", str(tmp_path / "chars.json")))
     with pytest.raises(PreprocessError, match="rank 2 is not in 0..1"):
         preprocess(*args, rank=2, world=2, log=lambda *_: None)
     with pytest.raises(PreprocessError, match="hf:wikitext is a Hugging Face dataset"):
@@ -114,8 +113,9 @@ def corpus(tmp_path):
 
 
 def _single_process_bytes(tmp_path) -> bytes:
-    preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "ref"), ["text"], "char",
-               str(tmp_path / "chars.json"), log=lambda *_: None, show_progress=False)
+    preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "ref"),
+               PreprocessOptions("char", str(tmp_path / "chars.json"), show_progress=False),
+               log=lambda *_: None)
     return b"".join((tmp_path / f"ref_text_document{s}").read_bytes() for s in (".bin", ".idx"))
 
 
@@ -148,7 +148,7 @@ def test_a_part_from_another_tokenizer_is_never_merged(corpus):
 
 @pytest.mark.parametrize("change", ["tokenizer contents", "json keys", "append-eod", "text split", "inputs"])
 def test_the_signature_covers_everything_that_changes_the_bytes(tmp_path, change):
-    from megatron_lite.data.preprocess_ranks import (
+    from megatron_lite.data.preprocess.parts import (
         differences,
         signature,
         signature_fields,
@@ -163,10 +163,9 @@ def test_the_signature_covers_everything_that_changes_the_bytes(tmp_path, change
     (tok / "model.safetensors").write_bytes(b"weights")  # not the tokenizer: not hashed
 
     def fields(**kw):
-        args = dict(keys=["text"], append_eod=False, text_split="file")
-        args.update(kw)
-        return signature_fields([src], 2, args["keys"], tokenizer_fingerprint("huggingface", str(tok)),
-                                args["append_eod"], args["text_split"], "no separator")
+        options = PreprocessOptions("huggingface", str(tok), **kw)
+        tokenizer = tokenizer_fingerprint("huggingface", str(tok))
+        return signature_fields([src], 2, options.output_fields(tokenizer, "no separator"))
 
     before = fields()
     (tok / "model.safetensors").write_bytes(b"other weights")
@@ -178,7 +177,7 @@ def test_the_signature_covers_everything_that_changes_the_bytes(tmp_path, change
         src.write_text('{"text": "abc"}\n')
         after = fields()
     else:
-        after = fields(**{"json keys": {"keys": ["body"]}, "append-eod": {"append_eod": True},
+        after = fields(**{"json keys": {"json_keys": ("body",)}, "append-eod": {"append_eod": True},
                           "text split": {"text_split": "blank-line"}}[change])
     assert signature(after) != signature(before)
     assert differences(after, before).startswith(change.split(" (")[0])
@@ -208,18 +207,19 @@ def test_a_stale_merge_lock_is_taken_over_or_refused_with_the_command(corpus):
 
 
 def test_an_unrefreshed_lock_is_taken_over_and_a_waiting_rank_sees_the_merge(corpus, monkeypatch):
-    from megatron_lite.data import preprocess_ranks
+    from megatron_lite.data.preprocess import merge
 
-    monkeypatch.setattr(preprocess_ranks, "LOCK_STALE_S", 1.0)
-    monkeypatch.setattr(preprocess_ranks, "POLL_S", 0.1)
+    monkeypatch.setattr(merge, "LOCK_STALE_S", 1.0)
+    monkeypatch.setattr(merge, "POLL_S", 0.1)
     (corpus / "out").mkdir()
     (corpus / "out" / "o.merging").write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": 0}))
-    args = ([str(corpus / "in.jsonl")], str(corpus / "out" / "o"), ["text"], "char",
-            str(corpus / "chars.json"))
+    chars = str(corpus / "chars.json")
+    args = ([str(corpus / "in.jsonl")], str(corpus / "out" / "o"),
+            PreprocessOptions("char", chars, show_progress=False))
     # Rank 0 waits in another process for rank 1's merge (its default wait under a launcher).
     waiting = subprocess.Popen(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", args[0][0], "--output-prefix",
-         args[1], "--tokenizer-type", "char", "--tokenizer-model", args[4], "--no-progress", "--rank", "0",
+         args[1], "--tokenizer-type", "char", "--tokenizer-model", chars, "--no-progress", "--rank", "0",
          "--world-size", "2", "--wait", "120"],
         cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -228,7 +228,7 @@ def test_an_unrefreshed_lock_is_taken_over_and_a_waiting_rank_sees_the_merge(cor
             assert waiting.poll() is None and time.monotonic() < deadline, waiting.stdout.read()
             time.sleep(0.1)
         logs = []
-        whole = preprocess(*args, rank=1, world=2, wait=30, log=logs.append, show_progress=False)
+        whole = preprocess(*args, rank=1, world=2, wait=30, log=logs.append)
         assert any("has not refreshed it" in line for line in logs), logs
         assert whole.documents == 12
         out, _ = waiting.communicate(timeout=60)

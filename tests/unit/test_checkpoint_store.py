@@ -9,6 +9,7 @@ import pytest
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import Checkpointer
+from megatron_lite.checkpoint.manifest import read_manifest, verify
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config import load_config
 from megatron_lite.distributed import ParallelDims
@@ -42,27 +43,27 @@ def _choose(chooser):
 def test_commit_writes_manifest_and_latest(tmp_path):
     path = _save(tmp_path, 3)
     assert (tmp_path / "latest").read_text() == "step_00000003\n"
-    manifest = store.read_manifest(path)
+    manifest = read_manifest(path)
     assert [f["name"] for f in manifest["files"]] == ["rank_00000.pt", "rank_00001.pt"]
-    store.verify(path, manifest)
+    verify(path, manifest)
     assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_flipped_byte_truncation_and_missing_file_are_named(tmp_path):
     path = _save(tmp_path, 3)
-    manifest = store.read_manifest(path)
+    manifest = read_manifest(path)
     victim = path / "rank_00001.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="rank_00001.pt does not match its SHA-256"):
-        store.verify(path, manifest)
+        verify(path, manifest)
     victim.write_bytes(bytes(data[:100]))
     with pytest.raises(CheckpointError, match="rank_00001.pt is 100 bytes.*truncated"):
-        store.verify(path, manifest)
+        verify(path, manifest)
     victim.unlink()
     with pytest.raises(CheckpointError, match="rank_00001.pt is missing"):
-        store.verify(path, manifest)
+        verify(path, manifest)
 
 
 def test_corrupt_latest_stops_unless_fallback_is_allowed(tmp_path):
@@ -131,7 +132,7 @@ def test_a_replaced_copy_whose_replacement_never_arrived_is_put_back(tmp_path):
     path = _save(tmp_path, 3)
     path.rename(tmp_path / ".old-step_00000003")  # crashed between the two renames of a re-save
     assert store.remove_stale(tmp_path) == []
-    store.verify(path, store.read_manifest(path))
+    verify(path, read_manifest(path))
 
 
 HOLD_LOCK = """
@@ -214,7 +215,7 @@ def test_a_bad_manifest_is_a_checkpoint_error_and_the_fallback_skips_it(tmp_path
         manifest.mkdir()
         match = "cannot read .*manifest.json"
     with pytest.raises(CheckpointError, match=match):
-        store.read_manifest(newest)
+        read_manifest(newest)
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match=match):
         _choose(chooser)
@@ -224,7 +225,7 @@ def test_a_bad_manifest_is_a_checkpoint_error_and_the_fallback_skips_it(tmp_path
         manifest.rmdir() if manifest.is_dir() else manifest.unlink()
         manifest.write_text(text)
         with pytest.raises(CheckpointError):
-            store.read_manifest(newest)
+            read_manifest(newest)
 
 
 class _RunsCode:
@@ -242,7 +243,7 @@ class _RunsCode:
 def test_a_rank_file_that_would_run_code_is_refused(tmp_path):
     marker = tmp_path / "code-ran"
     path = _save(tmp_path / "ck", 3, payload=_RunsCode(marker))
-    store.verify(path, store.read_manifest(path))  # its checksums are right: it was planted whole
+    verify(path, read_manifest(path))  # its checksums are right: it was planted whole
     with pytest.raises(CheckpointError, match="rank_00000.pt holds objects other than tensors"):
         store.load_rank_file(path / "rank_00000.pt")
     assert not marker.exists()
@@ -327,9 +328,9 @@ def test_a_manifest_entry_that_is_a_path_is_refused_on_verify_and_on_load(tmp_pa
     path, manifest = _with_files(tmp_path, 3, ["rank_00000.pt", name])
     problem = f"file entry {name!r} is not a plain file name"
     with pytest.raises(CheckpointError, match=re.escape(problem)) as verify_error:
-        store.verify(path, manifest)
+        verify(path, manifest)
     with pytest.raises(CheckpointError, match=re.escape(problem)):
-        store.read_manifest(path)
+        read_manifest(path)
     chooser, _ = _chooser(tmp_path)
     with pytest.raises(CheckpointError, match=re.escape(problem)) as load_error:
         chooser.load()
@@ -519,7 +520,7 @@ def test_a_listed_file_that_is_a_link_or_not_a_file_is_refused_everywhere(tmp_pa
     rank.symlink_to(outside)
     problem = f"{rank} is a symbolic link (to {outside}), not a file of the checkpoint"
     with pytest.raises(CheckpointError, match=re.escape(problem)):
-        store.verify(path, store.read_manifest(path))
+        verify(path, read_manifest(path))
     with pytest.raises(CheckpointError, match=re.escape(problem)):
         store.load_rank_file(rank)
     chooser, _ = _chooser(tmp_path / "ck")
@@ -531,7 +532,7 @@ def test_a_listed_file_that_is_a_link_or_not_a_file_is_refused_everywhere(tmp_pa
     rank.unlink()
     rank.mkdir()
     with pytest.raises(CheckpointError, match=re.escape(f"{rank} is not a regular file")):
-        store.verify(path, store.read_manifest(path))
+        verify(path, read_manifest(path))
 
 
 @pytest.mark.parametrize("change, named", [
@@ -671,4 +672,4 @@ def test_a_manifest_lists_each_files_fragments_and_a_bad_list_is_refused(tmp_pat
     assert serves(half, Need("w", (66, 32), ((0, 1, 2),), 0, 33 * 32))  # other padding: read
     _tamper(path, lambda m: m["files"][0].update(fragments=[["tok_emb.weight", "everything"]]))
     with pytest.raises(CheckpointError, match="not a checkpoint manifest"):
-        store.read_manifest(path)
+        read_manifest(path)

@@ -140,9 +140,7 @@ def test_the_guard_uses_the_build_directory_a_build_names(tmp_path, monkeypatch)
         return name
 
     monkeypatch.setattr(cpp, "load", load)
-    from megatron_lite.distributed import deepspeed_internals
-
-    monkeypatch.setattr(deepspeed_internals, "_op_build_hooks", list(deepspeed_internals._op_build_hooks))
+    monkeypatch.setattr(cpu_extensions, "_op_build_hooks", list(cpu_extensions._op_build_hooks))
     lock = _stale_lock(tmp_path / "elsewhere", "any_op")
     said = []
     cpu_extensions.guard_op_builds(said.append)

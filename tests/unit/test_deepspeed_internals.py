@@ -1,10 +1,13 @@
-"""Every private DeepSpeed/torch name the project relies on (listed once, in
-distributed/deepspeed_internals.py) still exists in the installed releases: an upgrade that
-renames one fails here, by name, not as a silently wrong gradient norm or update gate."""
+"""Every name of DeepSpeed or torch the project relies on that is not their documented API is
+listed once (``RELIED_ON`` in engine/internals.py), and the installed releases still have it:
+here the names a module, class or function holds or uses; tests/distributed/test_relied_on.py
+the attributes of real engines, optimizers and parameters. No other module uses a private name
+of a library unless it is listed below with its own check."""
 
 from __future__ import annotations
 
 import ast
+import atexit
 import importlib
 import inspect
 import os
@@ -13,36 +16,132 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.distributed.deepspeed_internals import RELIED_ON
+from megatron_lite.engine.internals import RELIED_ON
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_lite"
+STATIC = [(where, name) for where, name in RELIED_ON if not where.startswith("built ")]
 
 
-@pytest.mark.parametrize("module, obj, name", RELIED_ON, ids=[f"{m}:{o}:{n}" for m, o, n in RELIED_ON])
-def test_relied_on_name_exists(module, obj, name):
-    mod = importlib.import_module(module)
-    target = mod if obj is None else getattr(mod, obj)
-    if name.startswith("="):
-        assert target == name[1:]
+def resolve(target: str):
+    """``MODULE`` or ``MODULE:QUAL.NAME`` -> the object."""
+    module, _, qual = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in filter(None, qual.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def names_used(source: str) -> set[str]:
+    """Every attribute, name, string constant and imported name in ``source``; an import also as
+    its whole statement (``from a.b import c``)."""
+    used = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used.add(node.value)
+        elif isinstance(node, ast.ImportFrom):
+            used |= {a.name for a in node.names}
+            used |= {f"from {node.module} import {a.name}" for a in node.names}
+    return used
+
+
+@pytest.mark.parametrize("where, name", STATIC, ids=[f"{w}:{n}" for w, n in STATIC])
+def test_relied_on_name_is_still_there(where, name):
+    kind, target = where.split(" ", 1)
+    obj = resolve(target)
+    if kind == "attr":
+        assert hasattr(obj, name), f"{target} no longer has '{name}': update engine/internals.py"
+    elif kind == "body":
+        assert name in names_used(inspect.getsource(obj)), \
+            f"{target} no longer uses '{name}': update engine/internals.py"
     else:
-        assert hasattr(target, name) or name in inspect.getsource(target), \
-            f"{module}.{obj or ''} no longer has '{name}': update distributed/deepspeed_internals.py"
+        assert kind == "value", where
+        assert obj == name, f"{target} is {obj!r}, no longer {name!r}: update engine/internals.py"
 
 
-def test_private_names_are_used_only_in_the_adapter():
-    """Outside the adapter, no module reads or sets a private DeepSpeed attribute."""
-    private = {n for _, _, n in RELIED_ON if not n.startswith("=")} | {"ds_pipe_replicated"}
-    private -= {"model_parallel"}  # also a word of our own prose
+def test_a_name_that_is_not_there_fails_each_kind_of_check():
+    """The checks above can fail: a name the target lacks is found missing by each kind."""
+    for kind, target in (("attr", "torch.distributed.distributed_c10d"),
+                         ("body", "torch.distributed.distributed_c10d:_get_default_timeout")):
+        with pytest.raises(AssertionError, match="no longer"):
+            test_relied_on_name_is_still_there(f"{kind} {target}", "no_such_name_anywhere")
+    with pytest.raises(AssertionError, match="no longer"):
+        test_relied_on_name_is_still_there("value deepspeed.runtime.constants:PIPE_REPLICATED", "other")
+
+
+# Private names of other libraries the package uses, each with the check that it still exists.
+def _omegaconf_node():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"a": 1})
+
+
+OTHER_PRIVATE = {
+    "_get_node": lambda: hasattr(_omegaconf_node(), "_get_node"),  # omegaconf (config/load.py)
+    "_value": lambda: hasattr(_omegaconf_node()._get_node("a"), "_value"),  # omegaconf (config/load.py)
+    "_reconstruct": lambda: bool(importlib.import_module("megatron_lite.checkpoint.store")
+                                 ._numpy_array_globals()),  # numpy (checkpoint/store.py)
+    "_run_exitfuncs": lambda: hasattr(atexit, "_run_exitfuncs"),  # CPython (training/entry.py)
+}
+# Private names of the package's own (set on objects of its own making).
+OURS = {"_runs_op_build_hook", "_exit"}  # (os._exit is documented)
+
+
+def private_names_used(path: Path) -> dict[str, int]:
+    """{name: line} of every private attribute ``path`` reads or sets on something other than
+    ``self`` or ``cls``, and of every private library module or name it imports."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found[node.attr] = node.lineno
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            for alias in node.names:
+                full = f"{module}.{alias.name}" if module else alias.name
+                if full.startswith("megatron_lite") or full == "__future__.annotations":
+                    continue
+                if any(part.startswith("_") for part in full.split(".")):
+                    found[full] = node.lineno
+    return found
+
+
+def test_every_private_name_the_package_uses_is_listed_and_only_the_adapter_uses_deepspeeds():
+    listed = {name for _, name in RELIED_ON}
+    unlisted, elsewhere = [], []
+    for path in PACKAGE.rglob("*.py"):
+        where = path.relative_to(PACKAGE).as_posix()
+        for name, line in private_names_used(path).items():
+            if name not in listed | set(OTHER_PRIVATE) | OURS:
+                unlisted.append(f"{where}:{line} {name}")
+            elif name in listed and where != "engine/internals.py":
+                elsewhere.append(f"{where}:{line} {name}")
+    assert not unlisted, "private names not in RELIED_ON (engine/internals.py):\n" + "\n".join(unlisted)
+    assert not elsewhere, "RELIED_ON names used outside engine/internals.py:\n" + "\n".join(elsewhere)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_PRIVATE))
+def test_other_libraries_private_names_are_still_there(name):
+    assert OTHER_PRIVATE[name](), name
+
+
+def test_the_undocumented_engine_attributes_are_only_read_in_the_adapter():
+    """Public-looking but undocumented engine attributes (``total_loss``, ``global_steps``, ...)
+    are listed too: outside engine/internals.py, no module reads them from an engine."""
+    listed = {name for _, name in RELIED_ON if not name.startswith("_")} - {"zero_grad", "start", "numel"}
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "deepspeed_internals.py":
+        where = path.relative_to(PACKAGE).as_posix()
+        if where == "engine/internals.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in private:
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
-            elif isinstance(node, ast.Constant) and node.value in private:
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} '{node.value}'")
+            if isinstance(node, ast.Attribute) and node.attr in listed \
+                    and "engine" in ast.unparse(node.value):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     assert not found, "\n".join(found)
 
 
@@ -55,7 +154,7 @@ def test_deepspeed_zero_grad_still_only_drops_the_gradients():
     body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     assert len(body) == 1 and isinstance(body[0], ast.For), ast.unparse(body[0])
     assert [ast.unparse(s) for s in body[0].body] == [f"{ast.unparse(body[0].target.elts[1])}.grad = None"], \
-        "DeepSpeedEngine.zero_grad changed: update deepspeed_internals.drop_gradients_from_a_list"
+        "DeepSpeedEngine.zero_grad changed: update internals.drop_gradients_from_a_list"
 
 
 def test_the_list_zero_grad_drops_every_gradient_tied_ones_too():
@@ -63,7 +162,7 @@ def test_the_list_zero_grad_drops_every_gradient_tied_ones_too():
 
     import torch
 
-    from megatron_lite.distributed.deepspeed_internals import drop_gradients_from_a_list
+    from megatron_lite.engine.internals import drop_gradients_from_a_list
 
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
     model[1].weight = model[0].weight  # tied, as the output layer and the embedding

@@ -5,9 +5,9 @@ import pytest
 from megatron_lite.config import load_config
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import ParallelDims
+from megatron_lite.engine.config import deepspeed_config
 from megatron_lite.model import build_model
 from megatron_lite.optim.optimizer import param_groups
-from megatron_lite.training.engine import deepspeed_config
 from megatron_lite.training.run import total_iters
 from tests.conftest import REPO
 
@@ -103,7 +103,7 @@ def test_gaudi_recipe_sets_zero3_as_intels_workflow_does():
 def test_ulysses_head_counts_older_deepspeed_cannot_run_are_named(monkeypatch):
     from packaging.version import Version
 
-    from megatron_lite.parallel import deepspeed_versions
+    from megatron_lite.engine import versions as deepspeed_versions
 
     monkeypatch.setattr(deepspeed_versions, "deepspeed_version", lambda: Version("0.16.1+hpu"))
     (problem,) = deepspeed_versions.ulysses_head_problems(4, 2, 2)

@@ -11,7 +11,7 @@ import sys
 import datasets
 import pytest
 
-from megatron_lite.data.preprocess import PreprocessError, preprocess
+from megatron_lite.data.preprocess import PreprocessError, PreprocessOptions, preprocess
 from megatron_lite.data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import REPO, WORKS_JSONL, cpu_env, require_shared
 
@@ -42,8 +42,9 @@ def _bytes(prefix) -> tuple[bytes, bytes]:
 
 
 def _run(corpus, out, inputs, **kw):
-    return preprocess([str(i) for i in inputs], str(out), ["text"], "char", str(corpus / "chars.json"),
-                      log=lambda *_: None, show_progress=False, **kw)
+    return preprocess([str(i) for i in inputs], str(out),
+                      PreprocessOptions("char", str(corpus / "chars.json"), show_progress=False, **kw),
+                      log=lambda *_: None)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -6,6 +6,7 @@ import torch
 from megatron_lite.config import load_config
 from megatron_lite.config.load import ConfigError
 from megatron_lite.distributed import ParallelDims, TopologyError
+from megatron_lite.engine.mpu import ModelParallelUnit
 from megatron_lite.parallel.random import TensorParallelRNG, rank_seed
 from tests.conftest import REPO
 
@@ -49,7 +50,7 @@ def test_coordinates_and_ulysses_groups():
     assert [d.ulysses_rank for d in dims] == [0, 1] * 4
     assert [d.dp_rank for d in dims] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert dims[0].group_ranks(("ulysses", "data")) == [list(range(8))]
-    mpu = dims[3].mpu()
+    mpu = ModelParallelUnit(dims[3])
     assert (mpu.get_sequence_parallel_rank(), mpu.get_sequence_data_parallel_rank(),
             mpu.get_data_parallel_world_size(), mpu.get_sequence_data_parallel_world_size()) == (1, 3, 4, 8)
 
@@ -69,7 +70,7 @@ def test_hsdp_groups_and_what_deepspeed_sees():
     assert sorted(replicas) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     d = dims[6]  # data rank 3: the second place of the second shard group
     assert (d.dp_rank, d.shard_rank, d.replica_rank, d.hsdp_replicas) == (3, 1, 1, 2)
-    mpu = d.mpu()
+    mpu = ModelParallelUnit(d)
     assert (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
             mpu.get_sequence_data_parallel_world_size()) == (1, 2, 2)
 

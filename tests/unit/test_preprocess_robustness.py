@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_lite.data.indexed import IndexedDataset, merge
-from megatron_lite.data.preprocess import PreprocessError, preprocess
+from megatron_lite.data.preprocess import PreprocessError, PreprocessOptions, preprocess
 from megatron_lite.data.tokenizers import CharTokenizer
 from tests.conftest import REPO, cpu_env
 
@@ -22,8 +22,10 @@ def chars(tmp_path):
 
 
 def _run(tmp_path, chars, inputs, **kw):
-    summary = preprocess([str(p) for p in inputs], str(tmp_path / "out"), kw.pop("keys", ["text"]),
-                         "char", chars, log=lambda *_: None, show_progress=False, **kw)
+    keys = tuple(kw.pop("keys", ["text"]))
+    summary = preprocess([str(p) for p in inputs], str(tmp_path / "out"),
+                         PreprocessOptions("char", chars, keys, show_progress=False, **kw),
+                         log=lambda *_: None)
     return summary
 
 
@@ -153,8 +155,8 @@ def test_parquet_input_or_a_clear_error(tmp_path, chars):
 def test_merge_concatenates_in_order(tmp_path, chars):
     for name, docs in (("a", ["one", "two"]), ("b", ["three"])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-        preprocess([str(tmp_path / f"{name}.jsonl")], str(tmp_path / name), ["text"], "char", chars,
-                   log=lambda *_: None, show_progress=False)
+        preprocess([str(tmp_path / f"{name}.jsonl")], str(tmp_path / name),
+                   PreprocessOptions("char", chars, show_progress=False), log=lambda *_: None)
     docs, _ = merge([str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")],
                     str(tmp_path / "ab"), chunk_tokens=4)
     assert docs == 3 and _texts(tmp_path / "ab", chars) == ["one", "two", "three"]
@@ -163,8 +165,8 @@ def test_merge_concatenates_in_order(tmp_path, chars):
 def test_progress_bar_reports_rates(tmp_path, chars, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": "Some text."}) + "\n" for _ in range(100)))
-    _run_progress = preprocess([str(src)], str(tmp_path / "o"), ["text"], "char", chars,
-                               log=lambda *_: None, show_progress=True)
+    _run_progress = preprocess([str(src)], str(tmp_path / "o"),
+                               PreprocessOptions("char", chars, show_progress=True), log=lambda *_: None)
     err = capsys.readouterr().err
     assert _run_progress.documents == 100
     assert "preprocess" in err and "docs/s" in err and "tok/s" in err

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_lite.data.indexed import IndexedDataset
-from megatron_lite.data.preprocess import SeparatorPolicy, one_separator, preprocess
+from megatron_lite.data.preprocess import PreprocessOptions, SeparatorPolicy, one_separator, preprocess
 from megatron_lite.data.tokenizers import load_tokenizer
 
 DOCS = ["the quick brown fox", "jumps over the lazy dog", "and runs away"]
@@ -41,8 +41,9 @@ def test_one_separator_per_boundary(tmp_path, template, policy):
     src = tmp_path / "in.jsonl"
     docs = [*DOCS, "final words</s>", "<s>quoted"]
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    summary = preprocess([str(src)], str(tmp_path / "out"), ["text"], "huggingface", str(path),
-                         append_eod=True, log=lambda *_: None, show_progress=False)
+    summary = preprocess([str(src)], str(tmp_path / "out"),
+                         PreprocessOptions("huggingface", str(path), append_eod=True, show_progress=False),
+                         log=lambda *_: None)
     assert policy in summary.separator_policy
     assert summary.counts.get("doubled separator", 0) == 0
     assert summary.counts["special-token text"] == 2
@@ -87,8 +88,9 @@ def test_the_backend_encodes_as_transformers_does_in_this_process_and_in_workers
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in texts * 50))
     for workers in (1, 2):
-        preprocess([str(src)], str(tmp_path / f"w{workers}"), ["text"], "huggingface", str(path),
-                   append_eod=True, workers=workers, log=lambda *_: None, show_progress=False)
+        preprocess([str(src)], str(tmp_path / f"w{workers}"),
+                   PreprocessOptions("huggingface", str(path), append_eod=True, workers=workers,
+                                     show_progress=False), log=lambda *_: None)
     for ext in ("bin", "idx"):
         assert (tmp_path / f"w1_text_document.{ext}").read_bytes() == \
             (tmp_path / f"w2_text_document.{ext}").read_bytes()

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from megatron_lite.data.indexed import IndexedDataset
-from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.preprocess import PreprocessOptions, preprocess
 from megatron_lite.data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import REPO, WORKS_JSONL, cpu_env
 
@@ -75,8 +75,9 @@ def test_preprocess_same_bytes_for_any_worker_count_and_eod_once(tmp_path, sp_mo
     outs = []
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
-        preprocess([str(tmp_path / "in.jsonl")], str(prefix), ["text"], "sentencepiece", sp_model,
-                   append_eod=True, workers=workers, log=lambda *a: None)
+        preprocess([str(tmp_path / "in.jsonl")], str(prefix),
+                   PreprocessOptions("sentencepiece", sp_model, append_eod=True, workers=workers),
+                   log=lambda *a: None)
         outs.append(((tmp_path / f"w{workers}_text_document.bin").read_bytes(),
                      (tmp_path / f"w{workers}_text_document.idx").read_bytes()))
     assert outs[0] == outs[1]

@@ -1,9 +1,9 @@
-"""Everything this project relies on that DeepSpeed (or torch) does not document as public.
+"""Everything this project relies on that DeepSpeed or torch does not document as public.
 
-One place, so that a DeepSpeed upgrade that renames any of it fails here, loudly
-(tests/unit/test_deepspeed_internals.py pins every name in ``RELIED_ON`` against the installed
-release),
-instead of silently changing a gradient norm or a skipped update somewhere else.
+One place, so that an upgrade that renames any of it fails a test, by name (``RELIED_ON``,
+checked by tests/unit/test_deepspeed_internals.py and tests/distributed/test_relied_on.py),
+instead of silently changing a gradient norm or a skipped update somewhere else; the same tests
+refuse a private name used anywhere else in the package.
 
 Parameter attributes DeepSpeed reads:
 - ``tensor_model_parallel``: a tensor-parallel slice, counted in the gradient norm on every
@@ -16,47 +16,73 @@ Parameter attributes DeepSpeed reads:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# How every op builder builds: torch's function, looked up when the build runs (before_every_op_build).
-OP_BUILD_CALL = "from torch.utils.cpp_extension import load"
+from megatron_lite.distributed.cpu_extensions import OP_BUILD_CALL
 
-# Every private name relied on, where the installed release must still have it (module, object
-# in it or None for the module itself, the name; ``=value`` to compare a constant's value).
+# Every name of DeepSpeed or torch relied on that is not their documented API: (where, name).
+# ``where`` says how the installed release is checked, always on the real thing:
+#   "built ROOT.path"   an attribute of a real object: tests/distributed/relied_on_worker.py builds
+#                       DeepSpeed engines of each kind (ROOT: fp32, bf16, zero1, zero3, pipe,
+#                       pipe_bf16; each with .engine, .param, .init, .scheduler) and steps them
+#   "attr MODULE:QUAL"  an attribute of a module, class or function
+#   "body MODULE:QUAL"  the source of that function or class uses the name (an attribute, a
+#                       name, a string, an import), parsed, not searched as text
+#   "value MODULE:QUAL" that constant equals the name
 RELIED_ON = (
-    ("torch.optim.lr_scheduler", None, "_wrapped_by_lr_sched"),
-    ("torch.optim.lr_scheduler", None, "_opt_called"),
-    ("deepspeed.runtime.constants", "PIPE_REPLICATED", "=ds_pipe_replicated"),
-    ("deepspeed.runtime.utils", "is_model_parallel_parameter", "model_parallel"),
-    ("deepspeed.runtime.utils", "is_model_parallel_parameter", "tensor_model_parallel"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_global_grad_norm"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_global_grad_norm"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer",
-     "_lazy_init_hp_params_optimizer_state"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_hp_optimizer_states_linked"),
-    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_global_grad_norm"),
-    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_lazy_init_hp_params_optimizer_state"),
-    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "fp16_groups"),
-    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "fp32_groups"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_global_grad_norm"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "fp32_partitioned_groups_flat"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "grad_partitions_flat_buffer"),
-    ("deepspeed.runtime.zero.partition_parameters", "Init", "_convert_to_zero_parameters"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_tensor"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_numel"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_shape"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_id"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "ds_process_group"),
-    ("deepspeed.utils.mixed_precision_linkage", None, "_hp_mapping"),
-    ("deepspeed.utils.tensor_fragment", "tensor_fragment", "lp_fragment_address"),
-    ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups"),
-    ("deepspeed.runtime.pipe.engine", "PipelineEngine", "get_tied_weights_and_groups"),
-    ("deepspeed.ops.op_builder.builder", "OpBuilder", OP_BUILD_CALL),
+    # torch: the LR scheduler's marks on the optimizer step it wraps (install_update_gate,
+    # count_declined_update); the fused Adam's skip flag (StepRunner.gate); the default timeout
+    # of groups made without one (collectives.set_default_timeout).
+    ("built fp32.scheduler.optimizer.step", "_wrapped_by_lr_sched"),
+    ("built fp32.scheduler.optimizer", "_opt_called"),
+    ("body torch.optim:AdamW.step", "found_inf"),
+    ("attr torch.distributed.distributed_c10d", "default_pg_timeout"),
+    ("attr torch.distributed.distributed_c10d", "default_pg_nccl_timeout"),
+    ("body torch.distributed.distributed_c10d:_get_default_timeout", "default_pg_timeout"),
+    # DeepSpeed: the parameter marks its gradient norm reads.
+    ("value deepspeed.runtime.constants:PIPE_REPLICATED", "ds_pipe_replicated"),
+    ("body deepspeed.runtime.utils:is_model_parallel_parameter", "model_parallel"),
+    ("body deepspeed.runtime.utils:is_model_parallel_parameter", "tensor_model_parallel"),
+    # The engine.
+    ("built fp32.engine", "clip_fp32_gradients"),
+    ("built fp32.engine", "enable_backward_allreduce"),
+    ("built fp32.engine", "zero_grad"),
+    ("built fp32.engine", "mpu"),
+    ("built fp32.engine", "global_steps"),
+    ("built fp32.engine", "global_samples"),
+    ("built pipe.engine", "total_loss"),
+    ("built pipe.engine", "is_last_stage"),
+    ("built pipe.engine", "_global_grad_norm"),
+    ("attr deepspeed.runtime.pipe.module:PipelineModule", "get_tied_weights_and_groups"),
+    ("body deepspeed.runtime.pipe.engine:PipelineEngine", "get_tied_weights_and_groups"),
+    # Its optimizers: the gradient norm, the fp32 copies, the lazily linked optimizer state.
+    ("built zero1.engine.optimizer", "_global_grad_norm"),
+    ("built zero1.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
+    ("built zero1.engine.optimizer", "_hp_optimizer_states_linked"),
+    ("built pipe_bf16.engine.optimizer", "_global_grad_norm"),
+    ("built pipe_bf16.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
+    ("built bf16.engine.optimizer", "fp16_groups"),
+    ("built bf16.engine.optimizer", "fp32_groups"),
+    ("built zero3.engine.optimizer", "_global_grad_norm"),
+    ("built zero3.engine.optimizer", "fp32_partitioned_groups_flat"),
+    ("built zero3.engine.optimizer", "grad_partitions_flat_buffer"),
+    # ZeRO's view of a parameter (the layout-free checkpoints).
+    ("built zero1.param", "_hp_mapping"),
+    ("built zero1.param._hp_mapping", "lp_fragment_address"),
+    ("built zero1.param._hp_mapping.lp_fragment_address", "start"),
+    ("built zero1.param._hp_mapping.lp_fragment_address", "numel"),
+    ("built zero3.init", "_convert_to_zero_parameters"),
+    ("built zero3.param", "ds_tensor"),
+    ("built zero3.param", "ds_numel"),
+    ("built zero3.param", "ds_shape"),
+    ("built zero3.param", "ds_id"),
+    ("built zero3.param", "ds_process_group"),
+    ("built zero3.param.ds_tensor", "ds_numel"),
+    # How every op builder builds (distributed/cpu_extensions.py).
+    ("body deepspeed.ops.op_builder.builder:OpBuilder.jit_load", OP_BUILD_CALL),
 )
 
 TENSOR_PARALLEL = "tensor_model_parallel"
@@ -83,36 +109,6 @@ def mark_pipeline_parameters(pipe: nn.Module, tp_rank: int, tied_copy: nn.Parame
         setattr(p, PIPE_REPLICATED, p is tied_copy)
         if tp_rank == 0:
             setattr(p, MODEL_PARALLEL, True)
-
-
-# ---------------------------------------------------------------- op builds
-_op_build_hooks: list[Callable[[str, str | None], None]] = []
-
-
-def before_every_op_build(hook: Callable[[str, str | None], None]) -> None:
-    """Run ``hook(name, build_directory or None)`` before every op DeepSpeed builds or loads just
-    in time, in place of the one given before. Every op builder's ``jit_load`` (``OpBuilder``'s,
-    which CPU, CUDA and HPU builders inherit, and XPU's own) imports torch's
-    ``cpp_extension.load`` when it runs (``OP_BUILD_CALL``) and calls it with the op's name, so
-    wrapping that function reaches every op, whichever copy of the builders (DeepSpeed's
-    ``ops.op_builder`` or a prebuilt ``op_builder``) it comes from."""
-    import inspect
-
-    import torch.utils.cpp_extension as cpp
-
-    _op_build_hooks[:] = [hook]
-    if getattr(cpp.load, "_runs_op_build_hook", False):
-        return
-    original, signature = cpp.load, inspect.signature(cpp.load)
-
-    def load(*args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(*args, **kwargs).arguments
-        for run_hook in _op_build_hooks:
-            run_hook(arguments["name"], arguments.get("build_directory"))
-        return original(*args, **kwargs)
-
-    load.__doc__, load._runs_op_build_hook = original.__doc__, True
-    cpp.load = load
 
 
 # ---------------------------------------------------------------- the optimizer and its update
@@ -145,6 +141,27 @@ def partition_one(init, param: nn.Parameter) -> None:
     call and makes its groups and NVMe swapper again each time: ZeRO++'s hpZ group refuses the
     second creation, and each swapper pins its own host buffers (about 1 GB by default)."""
     init._convert_to_zero_parameters([param])
+
+
+def pipeline_step_loss(engine) -> torch.Tensor | None:
+    """The pipeline engine's sum of the last step's micro-batch losses (``total_loss``, as
+    trained: scaled), on the last stage; None on the others."""
+    return engine.total_loss if engine.is_last_stage() else None
+
+
+def step_counters(engine) -> tuple[int, int]:
+    """DeepSpeed's own step and sample counters (``global_steps``, ``global_samples``)."""
+    return engine.global_steps, engine.global_samples
+
+
+def set_step_counters(engine, steps: int, samples: int) -> None:
+    engine.global_steps, engine.global_samples = steps, samples
+
+
+def skip_backward_allreduce(engine) -> None:
+    """DeepSpeed's engine all-reduces every gradient after the backward pass unless
+    ``enable_backward_allreduce`` is off (the attribute it reads there)."""
+    engine.enable_backward_allreduce = False
 
 
 def drop_gradients_from_a_list(engine) -> None:
