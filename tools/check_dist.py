@@ -47,9 +47,8 @@ from megatron_lite.distributed.parallel_dims import (  # noqa: E402
     HOST_GROUPS,
     ParallelDims,
     TopologyError,
-    abandon_distributed,
-    shutdown_distributed,
 )
+from megatron_lite.distributed.startup import abandon_distributed, shutdown_distributed  # noqa: E402
 
 # Environment that decides how the ranks find each other and which network the collectives use.
 ENV_PREFIXES = ("NCCL_", "FI_", "OFI_", "HCCL_", "HABANA_", "PT_HPU", "CUDA_VISIBLE", "MASTER_",
