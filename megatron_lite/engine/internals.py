@@ -27,7 +27,9 @@ from megatron_lite.distributed.cpu_extensions import OP_BUILD_CALL
 # ``where`` says how the installed release is checked, always on the real thing:
 #   "built ROOT.path"   an attribute of a real object: tests/distributed/relied_on_worker.py builds
 #                       DeepSpeed engines of each kind (ROOT: fp32, bf16, zero1, zero3, pipe,
-#                       pipe_bf16; each with .engine, .param, .init, .scheduler) and steps them
+#                       pipe_bf16; each with .engine, .param, .init, .scheduler) and steps them;
+#                       ``unfused`` is the bf16 one where the release wraps it in
+#                       FP16_UnfusedOptimizer (0.16 does not: BF16_Optimizer)
 #   "attr MODULE:QUAL"  an attribute of a module, class or function
 #   "body MODULE:QUAL"  the source of that function or class uses the name (an attribute, a
 #                       name, a string, an import), parsed, not searched as text
@@ -64,8 +66,8 @@ RELIED_ON = (
     ("built zero1.engine.optimizer", "_hp_optimizer_states_linked"),
     ("built pipe_bf16.engine.optimizer", "_global_grad_norm"),
     ("built pipe_bf16.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
-    ("built bf16.engine.optimizer", "fp16_groups"),
-    ("built bf16.engine.optimizer", "fp32_groups"),
+    ("built unfused.engine.optimizer", "fp16_groups"),
+    ("built unfused.engine.optimizer", "fp32_groups"),
     ("built zero3.engine.optimizer", "_global_grad_norm"),
     ("built zero3.engine.optimizer", "fp32_partitioned_groups_flat"),
     ("built zero3.engine.optimizer", "grad_partitions_flat_buffer"),

@@ -60,14 +60,17 @@ def built(overrides: list[str], first: bool, env, acc) -> tuple[SimpleNamespace,
                            scheduler=engine.lr_scheduler, init=init.args[0] if init else None), dims, acc
 
 
-def missing(roots: dict[str, SimpleNamespace], entries) -> list[str]:
-    """The ``built`` entries whose object lacks the name."""
+def missing(roots: dict[str, SimpleNamespace | None], entries) -> list[str]:
+    """The ``built`` entries whose object lacks the name (none is looked for on a root this
+    release does not build)."""
     out = []
     for where, name in entries:
         if not where.startswith("built "):
             continue
         root, *path = where.split(" ", 1)[1].split(".")
         obj = roots[root]
+        if obj is None:
+            continue
         try:
             for part in path:
                 obj = getattr(obj, part)
@@ -81,13 +84,17 @@ def missing(roots: dict[str, SimpleNamespace], entries) -> list[str]:
 
 def main() -> None:
     out, extra = Path(sys.argv[1]), sys.argv[2:]
-    env, acc, roots, first = detect(), None, {}, None
+    env, acc, first = detect(), None, None
+    roots: dict[str, SimpleNamespace | None] = {}
     for kind, overrides in KINDS.items():
         roots[kind], dims, acc = built(overrides, first is None, env, acc)
         first = first or dims
+    optimizers = {k: type(r.engine.optimizer).__name__ for k, r in roots.items()}
+    # bf16 at ZeRO 0: FP16_UnfusedOptimizer in newer releases, BF16_Optimizer in 0.16.
+    roots["unfused"] = roots["bf16"] if optimizers["bf16"] == "FP16_UnfusedOptimizer" else None
     entries = [*RELIED_ON, *zip(extra[::2], extra[1::2], strict=True)]
-    report = {"missing": missing(roots, entries),
-              "optimizers": {k: type(r.engine.optimizer).__name__ for k, r in roots.items()}}
+    report = {"missing": missing(roots, entries), "optimizers": optimizers,
+              "not_built": [k for k, r in roots.items() if r is None]}
     if env.rank == 0:
         out.write_text(json.dumps(report))
     shutdown_distributed(first)

@@ -197,7 +197,8 @@ def test_shakespeare_char_learns(tmp_path):
     assert "final validation loss" in proc.stdout and "sample at step 200" in proc.stdout
     # The dataset was built once and is reused; a failing end-of-run sample does not fail the run.
     again = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=2",
-                                f"logging.dir={tmp_path}/run2", "training.sample_tokens=4"],
+                                "training.eval_iters=1", f"logging.dir={tmp_path}/run2",
+                                "training.sample_tokens=4"],
                                env={"FAULT_SAMPLE_ERROR": "1"}))
     assert "building dataset" in proc.stdout and "building dataset" not in again.stdout
     assert ("warning: sampling at step 2 failed (IndexError: list index out of range (injected))"
