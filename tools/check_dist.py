@@ -108,6 +108,12 @@ def rank_info(env, acc) -> dict:
 def expected_members(dims: ParallelDims, name: str, rank: int) -> list[int]:
     if name in HOST_GROUPS:
         return list(range(dims.world_size))
+    if name == "embedding":  # the first and last stage of the rank's pipeline
+        ranks = next(g for g in dims.group_ranks(("pipeline",)) if rank in g)
+        return [ranks[0], ranks[-1]]
+    if name in ("shard", "replica"):  # HSDP's
+        shards, replicas = dims.hsdp_group_ranks()
+        return next(sorted(g) for g in (shards if name == "shard" else replicas) if rank in g)
     return next(g for g in dims.group_ranks(GROUP_AXES[name]) if rank in g)
 
 

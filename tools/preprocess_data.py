@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lite.data.indexed import dataset_exists  # noqa: E402
 from megatron_lite.data.preprocess import TEXT_SPLITS, PartsPending, PreprocessOptions, preprocess  # noqa: E402
 from megatron_lite.distributed.launcher_env import detect  # noqa: E402
-from tools._cli_args import positive_int  # noqa: E402
+from tools._cli_args import non_negative_float, positive_int  # noqa: E402
 
 TYPES = {"char": "char", "sentencepiece": "sentencepiece", "huggingface": "huggingface",
          "megatron-sentencepiece": "megatron-sentencepiece",
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--rank", type=int, default=None,
                    help="this process's rank of --world-size (default: from mpiexec, torchrun, Slurm)")
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks that share the input (default: from the launcher; 1 without one)")
-    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--wait", type=non_negative_float, default=None, metavar="SECONDS",
                    help="several ranks: how long a rank whose part is written waits for the others "
                         f"and the merged dataset (default: {LAUNCHED_WAIT_S:.0f} under a launcher, 0 "
                         "with --rank/--world-size by hand). Exit status 0 means the whole dataset is "

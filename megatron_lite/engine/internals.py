@@ -57,8 +57,13 @@ RELIED_ON = (
     ("built fp32.engine", "global_samples"),
     ("built pipe.engine", "total_loss"),
     ("built pipe.engine", "is_last_stage"),
-    ("built pipe.engine", "_global_grad_norm"),
+    # (Read back by the public get_global_grad_norm; keep_clipped_norm sets it on the pipeline.)
+    ("body deepspeed.runtime.engine:DeepSpeedEngine.get_global_grad_norm", "_global_grad_norm"),
     ("attr deepspeed.runtime.pipe.module:PipelineModule", "get_tied_weights_and_groups"),
+    ("body deepspeed.runtime.pipe.engine:PipelineEngine", "loss_fn"),  # the last stage's loss
+    # Its partitioners of layers over stages (parallel/stages.py).
+    ("attr deepspeed.runtime.utils", "partition_balanced"),
+    ("attr deepspeed.runtime.utils", "partition_uniform"),
     ("body deepspeed.runtime.pipe.engine:PipelineEngine", "get_tied_weights_and_groups"),
     # Its optimizers: the gradient norm, the fp32 copies, the lazily linked optimizer state.
     ("built zero1.engine.optimizer", "_global_grad_norm"),
@@ -68,6 +73,9 @@ RELIED_ON = (
     ("built pipe_bf16.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
     ("built unfused.engine.optimizer", "fp16_groups"),
     ("built unfused.engine.optimizer", "fp32_groups"),
+    # (Also where no release here builds it for bf16 on a CPU: fp16 at ZeRO 0 gets it too.)
+    ("body deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer.__init__", "fp16_groups"),
+    ("body deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer.__init__", "fp32_groups"),
     ("built zero3.engine.optimizer", "_global_grad_norm"),
     ("built zero3.engine.optimizer", "fp32_partitioned_groups_flat"),
     ("built zero3.engine.optimizer", "grad_partitions_flat_buffer"),

@@ -30,12 +30,13 @@ from megatron_lite.parallel.tiling import tile_linears
 def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.device | str, seed: int,
                          partition: str = "parameters", tile_factor: int = 1,
                          zero_partition: Callable[[nn.Parameter], None] | None = None,
-                         dtype: torch.dtype | None = None, grad_accum: int = 1) -> nn.Module:
+                         dtype: torch.dtype | None = None, grad_accum: int | None = None) -> nn.Module:
     """This rank's part of the model: a ``Transformer`` (no pipeline) or a DeepSpeed
     ``PipelineModule`` around this stage's ``Transformer`` (``parallel.pipeline_partition``);
     ``tile_factor``: each block linear cut into that many × that many tiles;
     ``zero_partition``, ``dtype``: ZeRO-3's partitioned initialisation (``materialize``);
-    ``grad_accum``: the accumulation steps of a step (the pipeline's loss scale)."""
+    ``grad_accum``: the accumulation steps of a step (the pipeline's loss scale: required with
+    pipeline parallelism)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     tag(model)
@@ -43,6 +44,8 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
     tile_linears(model, tile_factor)
     if dims.pipeline == 1:
         return materialize(model, cfg, device, seed, zero_partition, dtype)
+    if grad_accum is None:
+        raise ValueError("build_parallel_model: a pipelined model needs grad_accum (its loss scale)")
     first, end, _ = stage_layers(parameter_counts(cfg), dims.pipeline, partition)[dims.pp_rank]
     keep_stage(model, range(first, end), first=dims.pp_rank == 0, last=dims.pp_rank == dims.pipeline - 1)
     return pipeline_module(materialize(model, cfg, device, seed), dims, cfg.tie_embeddings,

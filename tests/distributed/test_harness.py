@@ -96,7 +96,7 @@ def test_one_process_takes_every_collective_path_of_two(tmp_path):
         assert expected in sites, (expected, sorted(sites))
     assert paths[1] == paths[2], {"only with 2": sorted(paths[2] - paths[1]),
                                   "only with 1": sorted(paths[1] - paths[2])}
-    # DeepSpeed's gradient all-reduce over a data-parallel group of one is skipped (engine.py);
+    # DeepSpeed's gradient all-reduce over a data-parallel group of one is skipped (engine/initialize.py);
     # test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing proves it equivalent.
     assert inside_deepspeed[2] - inside_deepspeed[1] <= {("all_reduce", DEVICE_ROLE)}
 

@@ -125,7 +125,7 @@ def _check_report(run_dir, event):
 # by the host.)
 @pytest.mark.parametrize("zero, precision", [(1, "fp32"), (0, "bf16"), (1, "bf16")])
 def test_nan_on_one_rank_is_skipped_by_both(tmp_path, zero, precision):
-    # Under bf16 DeepSpeed's own overflow check is off (engine.py): the gate alone skips.
+    # Under bf16 DeepSpeed's own overflow check is off (engine/config.py): the gate alone skips.
     ck = tmp_path / "ck"
     args = _args(tmp_path, "training.iters=4", f"parallel.zero_stage={zero}", f"checkpoint.dir={ck}",
                  "checkpoint.save_interval=1", f"logging.dir={tmp_path}/run",

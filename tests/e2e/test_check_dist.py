@@ -35,13 +35,16 @@ def test_four_ranks_pass_every_group_and_collective():
     assert "check_dist: OK (4 ranks, 9 groups per rank)" in out
 
 
-def test_the_deepspeed_launcher_runs_it():
+def test_the_deepspeed_launcher_runs_it_on_a_pipeline_layout():
     # The launcher passes --local_rank to the script and sets RANK/LOCAL_RANK/WORLD_SIZE itself.
+    # Two pipeline stages: their embedding group (the first and last stage) is checked too.
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(_free_port()), str(REPO / "tools/check_dist.py"), "--iters", "1", "--timeout-s", "60"]
+           str(_free_port()), str(REPO / "tools/check_dist.py"), "recipes/shakespeare-char.yaml",
+           "parallel.pipeline=2", "--iters", "1", "--timeout-s", "60"]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "check_dist: 2 ranks up; layout tensor 1 × ulysses 1 × data 2 × pipeline 1" in proc.stdout
+    assert "check_dist: 2 ranks up; layout tensor 1 × ulysses 1 × data 1 × pipeline 2" in proc.stdout
+    assert any(line.split()[:2] == ["embedding", "[0,"] for line in proc.stdout.splitlines()), proc.stdout
     assert "LOCAL_RANK=0   (differs on ranks [1])" in proc.stdout
     assert "check_dist: OK (2 ranks" in proc.stdout
 

@@ -86,19 +86,36 @@ OTHER_PRIVATE = {
     "_reconstruct": lambda: bool(importlib.import_module("megatron_lite.checkpoint.store")
                                  ._numpy_array_globals()),  # numpy (checkpoint/store.py)
     "_run_exitfuncs": lambda: hasattr(atexit, "_run_exitfuncs"),  # CPython (training/entry.py)
+    # numpy 2's home of numpy.core (checkpoint/store.py reads either; one of them exists).
+    "_core": lambda: hasattr(importlib.import_module("numpy"), "_core")
+    or hasattr(importlib.import_module("numpy"), "core"),
+    # Ray's draining-node list, as Ray Train's own preemption watcher reads it (launch/ray_control.py).
+    "_private": lambda: callable(getattr(importlib.import_module("ray._private.state").state,
+                                         "get_draining_nodes", None)),
 }
+ACCESSORS = ("getattr", "hasattr", "setattr", "delattr")
 # Private names of the package's own (set on objects of its own making).
 OURS = {"_runs_op_build_hook", "_exit"}  # (os._exit is documented)
 
 
+def _private(name: object) -> bool:
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
 def private_names_used(path: Path) -> dict[str, int]:
     """{name: line} of every private attribute ``path`` reads or sets on something other than
-    ``self`` or ``cls``, and of every private library module or name it imports."""
+    ``self`` or ``cls`` (``x._name``, or by string: ``getattr(x, "_name")`` and its kin), and of
+    every private library module or name it imports."""
     found = {}
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
             if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found[node.attr] = node.lineno
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ACCESSORS
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and _private(node.args[1].value)
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            found[node.args[1].value] = node.lineno
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             module = getattr(node, "module", None) or ""
             for alias in node.names:
@@ -126,6 +143,8 @@ def test_every_private_name_the_package_uses_is_listed_and_only_the_adapter_uses
 
 @pytest.mark.parametrize("name", sorted(OTHER_PRIVATE))
 def test_other_libraries_private_names_are_still_there(name):
+    if name == "_private":  # Ray is optional (the Ray launcher's extra)
+        pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     assert OTHER_PRIVATE[name](), name
 
 
@@ -172,3 +191,12 @@ def test_the_list_zero_grad_drops_every_gradient_tied_ones_too():
     assert all(p.grad is not None for p in model.parameters())
     engine.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_scan_sees_private_names_reached_by_string_and_not_our_own_attributes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch._dynamo\nfrom numpy import _core\n"
+                     "def f(engine, self):\n    getattr(engine, '_norm', None)\n"
+                     "    setattr(engine.x, '_y', 1)\n"
+                     "    engine._z = 1\n    self._mine = 1\n    getattr(self, '_also_mine')\n")
+    assert set(private_names_used(probe)) == {"torch._dynamo", "numpy._core", "_norm", "_y", "_z"}

@@ -33,7 +33,8 @@ class PreprocessOptions:
     """A progress bar: always, never, or on a terminal (None)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "json_keys", tuple(self.json_keys))
+        keys = (self.json_keys,) if isinstance(self.json_keys, str) else tuple(self.json_keys)
+        object.__setattr__(self, "json_keys", keys)  # one key given as a string is that key
         if self.text_split not in TEXT_SPLITS:
             raise PreprocessError(f"text split '{self.text_split}' is not one of {TEXT_SPLITS}")
         if self.workers < 1:

@@ -53,7 +53,9 @@ def piece_blocks(piece: Piece, block_bytes: int,
                 pos += len(f.readline())
         f.seek(pos)
         line = 1
-        reported = piece.start
+        # The bytes of the lines this rank reads (the line it skips is the previous rank's):
+        # the ranks' counts add up to the file's size.
+        reported = pos
         while pos < piece.end:
             block = f.read(min(block_bytes, piece.end - pos))
             if not block:
