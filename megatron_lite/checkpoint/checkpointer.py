@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_lite.checkpoint import store
+import megatron_lite.checkpoint.store as store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.load import ARCHITECTURE, CheckpointReader, Loaded, architecture
 from megatron_lite.checkpoint.rollback import Rollbacks

@@ -9,9 +9,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+# (Module imports by full name: the package's __init__ imports this module.)
+import megatron_lite.distributed.collectives as collectives
+import megatron_lite.distributed.cpu_extensions as cpu_extensions
+import megatron_lite.distributed.device as devmod
 from megatron_lite.config.schema import Config
-from megatron_lite.distributed import collectives, cpu_extensions
-from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.parallel_dims import ParallelDims, TopologyError
 

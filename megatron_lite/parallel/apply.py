@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import megatron_lite.parallel.comm as comm
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.device import DeviceKernels
 from megatron_lite.distributed.parallel_dims import ParallelDims
@@ -29,7 +30,6 @@ from megatron_lite.model.transformer import (
     Transformer,
     initial_value,
 )
-from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import TensorParallelRNG
 from megatron_lite.parallel.tensor_parallel import (
     ColumnParallelLinear,

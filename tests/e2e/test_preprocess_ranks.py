@@ -28,13 +28,16 @@ def test_every_line_goes_to_exactly_one_rank_in_order(tmp_path, world):
     gz = tmp_path / "z.jsonl.gz"  # compressed: a whole unit
     gz.write_bytes(gzip.compress(b"{}\n"))
     files.insert(2, gz)
-    got = []
+    got, counted, read = [], [], 0
     for rank in range(world):
         for item in rank_inputs(files, rank, world):
             if hasattr(item, "start"):
-                got.append((item.path, b"".join(b for b, _ in piece_blocks(item, 16, lambda n: None))))
+                got.append((item.path, b"".join(b for b, _ in piece_blocks(item, 16, counted.append))))
+                read += len(got[-1][1])
             else:
                 got.append((item, item.read_bytes()))
+    # The bytes the ranks report reading from pieces are the bytes they read (a summary's input).
+    assert sum(counted) == read
     # Joined in rank order, the ranks' shares are the files, each byte once.
     for path in files:
         assert b"".join(data for p, data in got if p == path) == path.read_bytes()

@@ -13,8 +13,10 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 
+# (By full name: the package's __init__ imports this module. Looked up at each call, so a
+# test's wrapper of encode_batch is what runs.)
+import megatron_lite.data.preprocess.encode as encode
 from megatron_lite.data.indexed import IndexedDatasetWriter, token_dtype
-from megatron_lite.data.preprocess import encode
 from megatron_lite.data.preprocess.merge import finish
 from megatron_lite.data.preprocess.options import PreprocessOptions
 from megatron_lite.data.preprocess.parts import (
