@@ -43,7 +43,8 @@ quickstart: install $(QS)/works_text_document.idx
 # The floor: the oldest torch, DeepSpeed, transformers, ... that setup.py admits
 # (tests/floor/requirements.py reads them from setup.py), in an environment of their own.
 # torch's floor exists on PyPI only as the CUDA build: its triton refuses to import without a
-# GPU, and nothing here needs it. DeepSpeed builds from its sdist against that torch.
+# GPU, and nothing here needs it. DeepSpeed builds from its sdist against that torch. The CUDA
+# build with its libraries takes about 5 GB: pip's cache would double that on a small disk.
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 
@@ -52,8 +53,8 @@ $(FLOOR_VENV)/.installed: setup.py tests/floor/requirements.py | install
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(PY) tests/floor/requirements.py > $(FLOOR_VENV)/floor.txt
 	$(FLOOR_PY) -m pip install -q wheel setuptools "$$(grep '^numpy==' $(FLOOR_VENV)/floor.txt)"
-	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/floor.txt torch
-	$(FLOOR_PY) -m pip install -q --no-build-isolation -c $(FLOOR_VENV)/floor.txt -e . "pytest>=8.2" \
+	$(FLOOR_PY) -m pip install -q --no-cache-dir -c $(FLOOR_VENV)/floor.txt torch
+	$(FLOOR_PY) -m pip install -q --no-cache-dir --no-build-isolation -c $(FLOOR_VENV)/floor.txt -e . "pytest>=8.2" \
 		"pytest-xdist>=3.6" "pytest-timeout>=2.3" psutil
 	$(FLOOR_PY) -m pip uninstall -q -y triton
 	@# (No NVMe ops: no floor test offloads to NVMe.)
