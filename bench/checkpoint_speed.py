@@ -48,7 +48,7 @@ def main() -> None:
         f"checkpoint.dir={root}", "checkpoint.keep_last=0"])
     dims, acc = init_distributed(cfg, detect())
     parts = build(cfg, dims, acc, None, 10)
-    model_cfg, engine, runner = parts.model_cfg, parts.engine, parts.step_runner
+    model_cfg, engine, runner = parts.model_cfg, parts.engine, parts.step_runner()
     params = sum(p.numel() for p in engine.module.parameters())
     batch = torch.randint(0, 50257, (1, cfg.data.seq_length + 1))
     device = torch.device(acc.current_device_name())

@@ -167,9 +167,10 @@ def main() -> None:
     parts = build(cfg, dims, acc, None, cfg.training.iters)
     model = parts.engine.module
     batches = token_batches(a)
+    runner = parts.step_runner()
 
     def ours_step() -> None:
-        parts.step_runner.train_step(batches, parts.device).item()
+        runner.train_step(batches, parts.device).item()
 
     timed(ours_step, 3)  # warm-up
     ours_t: list[float] = []

@@ -152,7 +152,7 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
     for label in ("control", "checkpoint"):
         host_groups[id(dims.group(label))] = label
     parts = build(cfg, dims, acc, None, 100)
-    runner, device = parts.step_runner, parts.device
+    runner, device = parts.step_runner(), parts.device
     data = torch.randint(0, 512, (4096, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(0))
     sampler = GlobalBatchSampler(0, dims.global_batch(cfg), cfg.training.micro_batch_size, dims.dp_rank,
                                  dims.data, wrap=len(data))

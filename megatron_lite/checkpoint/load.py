@@ -11,7 +11,7 @@ from pathlib import Path
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.manifest import RESUME_SECTIONS, listed_file, read_manifest, verify
-from megatron_lite.checkpoint.run_state import restore_rng, restore_trainer_state
+from megatron_lite.checkpoint.run_state import EngineState, RngState
 from megatron_lite.checkpoint.shard_index import has_fragment_index, needed_files
 from megatron_lite.checkpoint.shards import Assembler, file_fragments, load_fragments, shape_mismatches
 from megatron_lite.checkpoint.store import CheckpointError
@@ -209,10 +209,10 @@ class CheckpointReader:
                 raise CheckpointError(str(e)) from None
 
         trainer = states[store.rank_file(0)]["trainer"]
-        restore_trainer_state(self.engine, trainer, follow)
+        EngineState(self.engine).load_state_dict(trainer, follow)
         own = states.get(store.rank_file(self.dims.rank))
         if same_layout and own is not None and own["rng"] is not None:
-            restore_rng(own["rng"], self.acc)
+            RngState(self.acc).load_state_dict(own["rng"])
         self.log(f"{'resumed from' if target is None else 'reloaded'} {path} at step {manifest['step']}"
                  + ("" if same_layout else f" (saved with layout {manifest['topology']})"))
         return Loaded(manifest["step"], manifest["consumed_samples"], trainer.get("extra"), path)

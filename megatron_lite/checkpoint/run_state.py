@@ -1,6 +1,7 @@
-"""What a checkpoint holds besides the weights and optimizer moments: each rank's random state,
-and rank 0's trainer state (scheduler, Adam's step, DeepSpeed's counters, the trainer's extra
-state). Each is captured and restored here, in plain types the weights-only loader reads."""
+"""What a checkpoint holds besides the weights and optimizer moments: each rank's random state
+and the engine's state (scheduler, Adam's step, DeepSpeed's counters), saved by rank 0 with the
+trainer's own state (``Trainer.state_dict``). Each saves and loads itself, in plain types the
+weights-only loader reads."""
 
 from __future__ import annotations
 
@@ -15,46 +16,60 @@ from megatron_lite.engine.internals import torch_optimizer
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
 
 
-def rng_state(acc) -> dict:
-    """This rank's random state: Python's, numpy's, torch's and the device's."""
-    return {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state(),
-            "device": acc.get_rng_state() if acc.device_name() != "cpu" else None}
+class RngState:
+    """This rank's random state: Python's, numpy's, torch's and the device's. Saved and loaded
+    through ``state_dict``/``load_state_dict`` (torchtitan's ``Stateful``)."""
+
+    def __init__(self, acc):
+        self.acc = acc
+
+    def state_dict(self) -> dict:
+        acc = self.acc
+        return {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state(),
+                "device": acc.get_rng_state() if acc.device_name() != "cpu" else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        name, key, *rest = state["numpy"]
+        np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        if state["device"] is not None:
+            self.acc.set_rng_state(state["device"])
 
 
-def restore_rng(rng: dict, acc) -> None:
-    random.setstate(rng["python"])
-    name, key, *rest = rng["numpy"]
-    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
-    torch.set_rng_state(rng["torch"])
-    if rng["device"] is not None:
-        acc.set_rng_state(rng["device"])
+Follow = Callable[["dict | None", LRSchedule], LRSchedule]
+"""(the saved schedule, the running one) -> the schedule to go on with."""
 
 
-def trainer_state(engine, extra: dict | None) -> dict:
-    """Rank 0's trainer state: the scheduler and its schedule, Adam's step count, DeepSpeed's
-    step and sample counters, and ``extra`` (the trainer's own)."""
-    scheduler = engine.lr_scheduler
-    steps, samples = ds.step_counters(engine)
-    return {
-        "scheduler": scheduler.state_dict() if scheduler else None,
-        "schedule": scheduler.schedule.to_dict() if isinstance(scheduler, ScheduledLR) else None,
-        "adam_step": _adam_step(engine),
-        "global_steps": steps, "global_samples": samples,
-        "extra": extra,
-    }
+class EngineState:
+    """What DeepSpeed's engine holds besides the weights and the optimizer moments, saved by rank
+    0: the scheduler and its schedule, Adam's step count, DeepSpeed's step and sample counters."""
 
+    def __init__(self, engine):
+        self.engine = engine
 
-def restore_trainer_state(engine, state: dict,
-                          follow: Callable[[dict | None, LRSchedule], LRSchedule]) -> None:
-    """Put ``trainer_state``'s ``state`` back; ``follow(saved schedule, running schedule)``
-    picks the schedule to go on with."""
-    scheduler = engine.lr_scheduler
-    if isinstance(scheduler, ScheduledLR) and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-        # Also sets the rate on the optimizer, which the scheduler's state does not hold.
-        scheduler.follow(follow(state.get("schedule"), scheduler.schedule))
-    _set_adam_step(engine, state["adam_step"])
-    ds.set_step_counters(engine, state["global_steps"], state["global_samples"])
+    def state_dict(self) -> dict:
+        engine = self.engine
+        scheduler = engine.lr_scheduler
+        steps, samples = ds.step_counters(engine)
+        return {
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "schedule": scheduler.schedule.to_dict() if isinstance(scheduler, ScheduledLR) else None,
+            "adam_step": _adam_step(engine),
+            "global_steps": steps, "global_samples": samples,
+        }
+
+    def load_state_dict(self, state: dict, follow: Follow = lambda saved, running: running) -> None:
+        """``follow`` picks the schedule to go on with (a resume may change it; see
+        ``optim.schedule.schedule_to_follow``)."""
+        engine = self.engine
+        scheduler = engine.lr_scheduler
+        if isinstance(scheduler, ScheduledLR) and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+            # Also sets the rate on the optimizer, which the scheduler's state does not hold.
+            scheduler.follow(follow(state.get("schedule"), scheduler.schedule))
+        _set_adam_step(engine, state["adam_step"])
+        ds.set_step_counters(engine, state["global_steps"], state["global_samples"])
 
 
 def _numpy_rng_state() -> tuple:

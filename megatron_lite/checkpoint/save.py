@@ -16,7 +16,7 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.host_copy import HostCopies
 from megatron_lite.checkpoint.load import architecture
-from megatron_lite.checkpoint.run_state import rng_state, trainer_state
+from megatron_lite.checkpoint.run_state import EngineState, RngState
 from megatron_lite.checkpoint.shard_index import fragment_index
 from megatron_lite.checkpoint.shards import local_fragments
 from megatron_lite.checkpoint.store import CheckpointError
@@ -39,9 +39,9 @@ class CheckpointWriter:
         finally:
             self.host.end()
         state = {"rank": self.dims.rank, "fragments": [f.to_dict() for f in fragments],
-                 "rng": rng_state(self.acc)}
+                 "rng": RngState(self.acc).state_dict()}
         if self.dims.rank == 0:
-            state["trainer"] = trainer_state(self.engine, extra)
+            state["trainer"] = {**EngineState(self.engine).state_dict(), "extra": extra}
         return state
 
     def _manifest(self, step: int, consumed_samples: int, files: list[dict]) -> dict:

@@ -181,6 +181,13 @@ class SpikeTracker:
         return {"detector": self.detector.state_dict(), "consecutive_nonfinite": self.consecutive_nonfinite,
                 "events": self.events, "rollbacks": self.rollbacks, "skip": [list(w) for w in self.skip]}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Everything ``state_dict`` saved; ``resume`` then reconciles it with the log."""
+        self.detector.load_state_dict(state["detector"])
+        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+        self.events, self.rollbacks = state["events"], state["rollbacks"]
+        self.skip = [tuple(w) for w in state["skip"]]
+
     def restore_statistics(self, state: dict | None) -> None:
         """After a rollback: the detector as it was at the reloaded checkpoint. The history
         (events, rollbacks, skipped windows) is never rolled back."""
@@ -232,10 +239,7 @@ class SpikeTracker:
                 self.path.replace(old)
                 self.log(f"{self.path} from an earlier run moved to {old}")
             return
-        self.detector.load_state_dict(state["detector"])
-        self.consecutive_nonfinite = state["consecutive_nonfinite"]
-        self.events, self.rollbacks = state["events"], state["rollbacks"]
-        self.skip = [tuple(w) for w in state["skip"]]
+        self.load_state_dict(state)
         keep = min(self.events, len(events))
         for i, record in enumerate(events):
             if i >= self.events and record["event"] == "rollback":

@@ -1,5 +1,5 @@
-"""One rank's training components from the config: model, kernels, compilation, DeepSpeed engine
-and the step runner.
+"""One rank's training components from the config: model, kernels, compilation, DeepSpeed engine,
+and what builds the step runner.
 
 The one assembly used by a run (``run.py``), the benchmarks (``bench/``) and the distributed
 tests, so that what is measured and tested is what a run trains with.
@@ -21,7 +21,8 @@ from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
 from megatron_lite.parallel.random import rank_seed
-from megatron_lite.training.step import StepRunner
+from megatron_lite.training.step import StepRunner, UpdateGate
+from megatron_lite.training.timing import NoClock
 
 
 @dataclass
@@ -34,14 +35,22 @@ class Components:
     """The resolved model: the vocabulary padded for the tensor-parallel size."""
     engine: Any
     """The DeepSpeed engine; ``engine.module`` is this rank's part of the model."""
-    step_runner: StepRunner
-    """One optimizer step / evaluation batch for the layout."""
     iters: int
     """The optimizer steps the learning-rate schedule is planned for."""
     flops_per_token: float
     """Training FLOPs per token of the whole model (for MFU)."""
     notes: list[str] = field(default_factory=list)
     """What the build chose that belongs in the log: fused kernels, compilation."""
+    runner_args: tuple = field(default=(), repr=False)
+    """What ``step_runner`` builds with: the config, the dims, the gradient accumulation steps,
+    the device's graph break and clipping kernel."""
+
+    def step_runner(self, gate: UpdateGate | None = None, clock: NoClock | None = None) -> StepRunner:
+        """One optimizer step / evaluation batch for the layout, with its collaborators (see
+        ``StepRunner``): the trainer's runner has a gate; a benchmark's or a test's need none."""
+        cfg, dims, grad_accum, graph_break, clip_kernel = self.runner_args
+        return StepRunner(cfg, dims, self.engine, grad_accum, graph_break, clip_kernel, self.acc,
+                          gate=gate, clock=clock)
 
     @property
     def device(self) -> torch.device:
@@ -96,7 +105,7 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -
     note = unfused_wrapper_note(cfg, device_type)
     if note:
         notes.append(note)
-    steps = StepRunner(cfg, dims, engine, dims.grad_accumulation(cfg),
-                       devmod.graph_break(acc, cfg.training.hpu_mode), kernels.clip_norm, acc)
-    return Components(acc, model_cfg, engine, steps, iters,
-                      flops_per_token(model_cfg, cfg.data.seq_length), notes)
+    runner_args = (cfg, dims, dims.grad_accumulation(cfg), devmod.graph_break(acc, cfg.training.hpu_mode),
+                   kernels.clip_norm)
+    return Components(acc, model_cfg, engine, iters, flops_per_token(model_cfg, cfg.data.seq_length),
+                      notes, runner_args)

@@ -23,12 +23,14 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.training.build import Components
 from megatron_lite.training.generate import sample
+from megatron_lite.training.step import StepRunner
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
-                 logger: MetricsLogger, log: Callable[[str], None]):
-        self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
+    def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, runner: StepRunner,
+                 data: DataSource, logger: MetricsLogger, log: Callable[[str], None]):
+        """``runner``: the trainer's step runner (evaluation batches go through it too)."""
+        self.cfg, self.dims, self.parts, self.runner, self.data = cfg, dims, parts, runner, data
         self.logger, self.log = logger, log
 
     def due(self, step: int, last: bool) -> bool:
@@ -73,7 +75,7 @@ class Evaluator:
         n = cfg.training.eval_iters
         try:
             for _ in range(n):
-                total += self.parts.step_runner.eval_loss(batches, device)
+                total += self.runner.eval_loss(batches, device)
         finally:  # dropout and activation checkpointing come back whatever happened
             engine.train()
         return mean_over_ranks((total / n).item(), self.dims, "the validation loss")
@@ -96,7 +98,7 @@ class Evaluator:
                          t.sample_top_k, t.seed, self.parts.device,
                          agree=lambda error: raise_together(error, self.dims, "the text sample"),
                          fixed_shape=compiles_per_shape(self.parts.acc),
-                         after_token=self.parts.step_runner.graph_break)
+                         after_token=self.runner.graph_break)
         finally:  # a failed sample must not leave the rest of the run without dropout
             model.train(was_training)
         return t.sample_prompt + tok.decode(ids)

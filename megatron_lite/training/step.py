@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +70,18 @@ Judge = Callable[[float, "float | None", bool], bool]
 """(mean loss over all ranks, global gradient norm, fp16 loss-scale overflow) -> apply the update?"""
 
 
+@dataclass(frozen=True)
+class UpdateGate:
+    """Who is asked at every update (see the module docstring)."""
+
+    judge: Judge
+    """Decides on the step's report (the spike tracker's ``judge``)."""
+    flags: Callable[[], list[bool]] = list
+    """This rank's run-control flags, OR-ed over the ranks in the report."""
+    n_flags: int = 0
+    """How many flags ``flags`` returns."""
+
+
 def judged_after_update(cfg: Config, opt: torch.optim.Optimizer) -> bool:
     """Whether the step's report can be read one step late (see the module docstring)."""
     return cfg.spikes.policy == "log" and cfg.training.precision != "fp16" and skips_on_device(opt)
@@ -77,7 +90,10 @@ def judged_after_update(cfg: Config, opt: torch.optim.Optimizer) -> bool:
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
                  graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None,
-                 acc=None):
+                 acc=None, *, gate: UpdateGate | None = None, clock: NoClock | None = None):
+        """``gate``: judge every update (at most one runner per engine has one: it wraps the
+        optimizer's ``step``); without one, every update is applied unreported. ``clock``: the
+        phase timings of training steps (``training/timing.py``)."""
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
         self.acc = acc  # DeepSpeed's accelerator: pinned memory and events for the late report
         self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
@@ -91,7 +107,7 @@ class StepRunner:
         # optimizer update (the parameters are fixed once the engine is built).
         self._params = list(engine.module.parameters())
         self.grad_norm: torch.Tensor | None = None
-        self.judge: Judge | None = None
+        self.judge: Judge | None = gate.judge if gate is not None else None
         self.applied: bool | torch.Tensor = True
         """Whether the last step's update was applied: a device bool when judged after it."""
         self.late = False  # the report is read after the update (see the module docstring)
@@ -101,14 +117,14 @@ class StepRunner:
         self._reporter: StepReporter | None = None
         self._armed = False
         self._loss_sum: torch.Tensor | None = None
-        # Phase timings of training steps (training/timing.py); the trainer sets a real one.
-        self.clock = NoClock()
+        self.clock = clock if clock is not None else NoClock()
+        if gate is not None:
+            self._install_gate(gate)
 
     # ---------------------------------------------------------------- gate
-    def gate(self, judge: Judge, flags: Callable[[], list[bool]] = list, n_flags: int = 0) -> None:
-        """Take a report at every update and ask ``judge`` (see the module docstring); ``flags``:
-        this rank's run-control flags (``n_flags`` of them), OR-ed over the ranks in the report."""
-        self.judge, self._flags = judge, flags
+    def _install_gate(self, gate: UpdateGate) -> None:
+        """Take a report at every update and ask the gate's judge (see the module docstring)."""
+        judge, self._flags, n_flags = gate.judge, gate.flags, gate.n_flags
         opt = ds.torch_optimizer(self.engine)
         self.late = judged_after_update(self.cfg, opt)
         if self.late:

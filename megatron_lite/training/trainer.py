@@ -34,6 +34,7 @@ from megatron_lite.training.evaluator import Evaluator
 from megatron_lite.training.monitor import SlowdownMonitor, StragglerCheck
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.saving import SavePolicy
+from megatron_lite.training.step import UpdateGate
 from megatron_lite.training.step_report import PendingReport, StepReport
 from megatron_lite.training.timing import IntervalClock, PhaseClock, process_age_s
 
@@ -44,8 +45,17 @@ THROUGHPUT_KEYS = ("tokens_per_sec", "samples_per_sec", "tokens_per_sec_per_devi
 
 @dataclass
 class TrainState:
+    """Where the run is; saved in each checkpoint's manifest."""
+
     step: int = 0
     consumed_samples: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        # In place: the training loop holds this object.
+        self.step, self.consumed_samples = state["step"], state["consumed_samples"]
 
 
 @dataclass
@@ -64,9 +74,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, dims: ParallelDims, parts: Components, data: DataSource,
                  logger: MetricsLogger, log: Callable[[str], None], checkpointer: Checkpointer | None = None,
-                 on_record: Callable[[dict], None] | None = None):
+                 on_record: Callable[[dict], None] | None = None, clock: PhaseClock | None = None):
+        """``clock``: the phase timings of training steps (None: a ``PhaseClock``)."""
         self.cfg, self.dims, self.parts, self.data = cfg, dims, parts, data
-        self.engine, self.step_runner, self.device = parts.engine, parts.step_runner, parts.device
+        self.engine, self.device = parts.engine, parts.device
         self.checkpointer, self.logger, self.log = checkpointer, logger, log
         self.on_record = on_record
         self.total_iters = parts.iters
@@ -78,12 +89,12 @@ class Trainer:
         locate = getattr(data.train, "locate", None)
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.control = RunControl(cfg, dims)
-        self.step_runner.gate(self.spikes.judge, self.control.flags,
-                        RunControl.N_FLAGS if self.control.active else 0)
+        self.clock = clock if clock is not None else PhaseClock(parts.acc)
+        gate = UpdateGate(self.spikes.judge, self.control.flags,
+                          RunControl.N_FLAGS if self.control.active else 0)
+        self.step_runner = parts.step_runner(gate, self.clock)
         self.profiler = StepProfiler(cfg, dims.rank, devmod.device_name(parts.acc), log)
-        self.evaluator = Evaluator(cfg, dims, parts, data, logger, log)
-        self.clock = PhaseClock(parts.acc)
-        self.step_runner.clock = self.clock
+        self.evaluator = Evaluator(cfg, dims, parts, self.step_runner, data, logger, log)
         self.interval = IntervalClock(cfg.training.throughput_warmup_steps)
         self.slowdowns = SlowdownMonitor(cfg.monitor)
         self.stragglers = StragglerCheck(cfg, dims)
@@ -91,10 +102,15 @@ class Trainer:
         self.startup_s: float | None = None
         self._unread: tuple[StepContext, PendingReport] | None = None
         """The last step's report, not yet read (judged after the update)."""
-        self.saves = (SavePolicy(cfg, checkpointer, logger, log, lambda: {"spikes": self.spikes.state_dict()},
-                            self.control.saved) if checkpointer is not None else None)
+        self.saves = (SavePolicy(cfg, checkpointer, logger, log, self.state_dict, self.control.saved)
+                      if checkpointer is not None else None)
 
     # ---- checkpoints ----
+    def state_dict(self) -> dict:
+        """The trainer's own state saved with each checkpoint (the checkpointer saves the engine's
+        and each rank's random state, ``checkpoint/run_state.py``): the spike tracker's."""
+        return {"spikes": self.spikes.state_dict()}
+
     def maybe_resume(self) -> None:
         """Claim the checkpoint directory, then resume from its latest checkpoint (when there is
         one and resuming is on), with the spike tracker's state; ``spikes.jsonl`` is cut back to
@@ -113,12 +129,14 @@ class Trainer:
         on_every_rank(lambda: self.spikes.resume(extra.get("spikes"), log, history), self.dims,
                       f"repairing {self.spikes.path}")
         if loaded is not None:
-            self._restore(loaded)
+            self._continue_from(loaded)
 
-    def _restore(self, loaded: Loaded) -> None:
-        # In place: the training loop holds this object.
-        self.state.step = loaded.step
-        self.state.consumed_samples = past_skipped(loaded.consumed_samples, self.spikes.skip)
+    def _continue_from(self, loaded: Loaded) -> None:
+        """The run goes on from ``loaded`` (a resume or a rollback; the spike tracker's state is
+        restored by each in its own way): its step, and its data position past the skipped
+        windows."""
+        position = past_skipped(loaded.consumed_samples, self.spikes.skip)
+        self.state.load_state_dict({"step": loaded.step, "consumed_samples": position})
         self.saves.restored(loaded.step, loaded.consumed_samples)
 
     def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool,
@@ -313,7 +331,7 @@ class Trainer:
         assert loaded is not None
         self.spikes.record_rollback(loaded.step, str(target), window)
         self.spikes.restore_statistics((loaded.extra or {}).get("spikes"))
-        self._restore(loaded)
+        self._continue_from(loaded)
         return True
 
     def _train_record(self, loss_sum: torch.Tensor, loss_steps: torch.Tensor, lr: float) -> dict:

@@ -50,7 +50,7 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", overrides)
     dims, acc = init_distributed(cfg, detect())
     parts = build(cfg, dims, acc, VOCAB, STEPS)
-    engine, runner, device = parts.engine, parts.step_runner, parts.device
+    engine, runner, device = parts.engine, parts.step_runner(), parts.device
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)

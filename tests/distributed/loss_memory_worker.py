@@ -40,7 +40,7 @@ def main() -> None:
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [*SETTINGS, *overrides])
     dims, acc = init_distributed(cfg, detect())
     parts = build(cfg, dims, acc, VOCAB, 2)
-    runner, device = parts.step_runner, parts.device
+    runner, device = parts.step_runner(), parts.device
     data = torch.randint(0, VOCAB, (8, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(0))
     runner.train_step(iter([data[:4]]), device)  # optimizer state and buffers exist from here on
     trace = out / f"trace{dims.rank}.json"

@@ -54,7 +54,7 @@ def built(overrides: list[str], first: bool, env, acc) -> tuple[SimpleNamespace,
     data = torch.randint(0, VOCAB, (dims.global_batch(cfg), cfg.data.seq_length + 1),
                          generator=torch.Generator().manual_seed(0))
     mine = data[dims.dp_rank::dims.data].split(cfg.training.micro_batch_size)
-    parts.step_runner.train_step(iter(mine), parts.device)
+    parts.step_runner().train_step(iter(mine), parts.device)
     engine = parts.engine
     return SimpleNamespace(engine=engine, param=next(iter(engine.module.parameters())),
                            scheduler=engine.lr_scheduler, init=init.args[0] if init else None), dims, acc
