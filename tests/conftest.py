@@ -56,7 +56,16 @@ def char_overrides(tmp: Path) -> list[str]:
             f"data.tokenizer.model={tmp}/data/chars.json", f"logging.dir={tmp}/run"]
 
 
+NO_TENSORBOARD = "logging.tensorboard=false"
+"""What the tests' runs add unless their arguments name ``logging.tensorboard``: importing
+TensorBoard (and the boto3 it imports when installed) is most of a second of rank 0's start,
+on every run. The tests that read the events ask for them (test_pretrain_cli,
+test_wandb_continuity)."""
+
+
 def pretrain_command(args: list[str], nproc: int = 1) -> list[str]:
+    if not any(a.startswith("logging.tensorboard=") for a in args):
+        args = [*args, NO_TENSORBOARD]
     if nproc == 1:
         return [sys.executable, str(REPO / "pretrain.py"), *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, _free_port, check, cpu_env, read_metrics, run_pretrain
+from tests.conftest import NO_TENSORBOARD, REPO, _free_port, check, cpu_env, read_metrics, run_pretrain
 from tests.distributed.test_checkpoint import _args, _records
 
 
@@ -28,7 +28,8 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(tmp_path):
     check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=2))
     ck = [f"checkpoint.dir={tmp_path}/ck"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), str(REPO / "pretrain.py"), *full, *ck, f"logging.dir={tmp_path}/a"]
+           str(_free_port()), str(REPO / "pretrain.py"), *full, *ck, f"logging.dir={tmp_path}/a",
+           NO_TENSORBOARD]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     out = []
@@ -143,7 +144,8 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
         (ck_dir / "latest").write_text("step_00000002\n")
         ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}"]
+               str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}",
+               NO_TENSORBOARD]
         # The kill fires at every save: this run's first save (step 4) is the second one.
         crashed = subprocess.run(cmd, cwd=REPO, env={**cpu_env(), "FAULT_KILL_AT": crash},
                                  capture_output=True, text=True, timeout=300)

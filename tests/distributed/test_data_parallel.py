@@ -59,7 +59,7 @@ def test_node_local_index_cache_is_built_on_every_node(tmp_path, sp_data):
     import subprocess
     import sys
 
-    from tests.conftest import REPO, _free_port, cpu_env
+    from tests.conftest import NO_TENSORBOARD, REPO, _free_port, cpu_env
 
     def launch(shared: bool, run: str) -> list[str]:
         port = _free_port()
@@ -67,7 +67,7 @@ def test_node_local_index_cache_is_built_on_every_node(tmp_path, sp_data):
                 f"data.tokenizer.model={sp_data}/sp.model", "model.n_layers=1", "data.seq_length=32",
                 "training.micro_batch_size=2", "training.global_batch_size=4", "training.iters=1",
                 "training.eval_iters=1", "training.sample_tokens=0", f"data.cache_shared={shared}",
-                f"logging.dir={tmp_path}/{run}"]
+                f"logging.dir={tmp_path}/{run}", NO_TENSORBOARD]
         procs = []
         for node in range(2):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",

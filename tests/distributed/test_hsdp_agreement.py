@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO, _free_port, char_overrides, cpu_env
+from tests.conftest import NO_TENSORBOARD, REPO, _free_port, char_overrides, cpu_env
 
 REFUSAL = "parallel.hsdp: the default shard group is the ranks of one node"
 
@@ -20,7 +20,7 @@ def _launch_by_hand(tmp_path, local_sizes: list[int], *overrides: str) -> list[t
             *char_overrides(tmp_path)[:3], "parallel.hsdp=true", "parallel.zero_stage=3",
             "training.iters=2", "training.global_batch_size=8", "training.micro_batch_size=2",
             "training.eval_interval=0", "training.sample_tokens=0", "distributed.timeout_minutes=2",
-            f"logging.dir={tmp_path}/run", *overrides]
+            f"logging.dir={tmp_path}/run", NO_TENSORBOARD, *overrides]
     procs = []
     for rank, local in enumerate(local_sizes):
         env = {**cpu_env(), "RANK": str(rank), "WORLD_SIZE": str(len(local_sizes)), "LOCAL_RANK": "0",

@@ -182,7 +182,8 @@ def test_shakespeare_char_learns(tmp_path):
     """200 steps of the nanoGPT CPU configuration: a broken model stays above ~3.3 nats."""
     proc = check(run_pretrain([RECIPE, *char_overrides(tmp_path), "training.iters=200",
                                "training.log_interval=20", "training.eval_interval=0",
-                               "training.eval_iters=40", "training.sample_tokens=60"]))
+                               "training.eval_iters=40", "training.sample_tokens=60",
+                               "logging.tensorboard=true"]))
     run = tmp_path / "run"
     records = read_metrics(run)
     train = [r for r in records if "loss" in r]

@@ -43,7 +43,7 @@ def test_a_stopped_and_resumed_run_is_one_wandb_run_without_duplicated_steps(tmp
             "training.eval_iters=2", "training.sample_tokens=0", "logging.wandb_mode=offline",
             "logging.wandb_tags=[char,test]", "logging.wandb_group=continuity",
             f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=5",
-            "checkpoint.save_on_signal=false"]
+            "checkpoint.save_on_signal=false", "logging.tensorboard=true"]
     # Stopped by SIGTERM after step 7 without a save there (checkpoint.save_on_signal=false):
     # W&B has steps 1-7, the resume starts from the step-5 checkpoint and recomputes 6 and 7.
     proc = subprocess.Popen(pretrain_command(args), cwd=REPO, env={**cpu_env(), "WANDB_SILENT": "true"},
