@@ -179,6 +179,11 @@ class ParallelConfig:
     ulysses: int = 1
     """DeepSpeed-Ulysses sequence-parallel size: each rank holds 1/ulysses of every sequence and
     attention is computed head-parallel after an all-to-all (for long contexts)."""
+    context: int = 1
+    """Context-parallel size (ring attention, Megatron's ``--context-parallel-size``): the
+    sequence is cut into 2 × context chunks, rank r holding chunks r and 2·context−1−r (equal
+    causal work), and keys and values travel around the ring. Not capped by the head count;
+    with ``ulysses`` too (USP) the all-to-all runs inside each ring rank's group."""
     pipeline_partition: str = choice("parameters", "uniform", "type:Block")
     """How layers are spread over pipeline stages: balanced by parameter count, the same number
     of layers per stage, or the same number of transformer blocks per stage."""

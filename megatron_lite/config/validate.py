@@ -94,7 +94,7 @@ def validate(cfg: Config) -> list[str]:
         ("training.micro_batch_size", t.micro_batch_size),
         ("training.log_interval", t.log_interval), ("training.eval_iters", t.eval_iters),
         ("parallel.tensor", cfg.parallel.tensor), ("parallel.pipeline", cfg.parallel.pipeline),
-        ("parallel.ulysses", cfg.parallel.ulysses),
+        ("parallel.ulysses", cfg.parallel.ulysses), ("parallel.context", cfg.parallel.context),
     ]:
         need(value >= 1, f"'{key}' = {value} must be at least 1")
     for key, value in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_hidden", m.ffn_hidden),
@@ -246,7 +246,7 @@ def _parallel_problems(cfg: Config) -> list[str]:
     ``ParallelDims.plan``)."""
     p, m, d = cfg.parallel, cfg.model, cfg.data
     out: list[str] = []
-    if min(p.tensor, p.pipeline, p.ulysses, m.n_heads, m.n_layers) < 1:
+    if min(p.tensor, p.pipeline, p.ulysses, p.context, m.n_heads, m.n_layers) < 1:
         return out  # reported above
     kv = m.kv_heads
     # Ulysses splits each tensor rank's heads again; the sequence is split by Ulysses, then by
@@ -261,10 +261,19 @@ def _parallel_problems(cfg: Config) -> list[str]:
     slices = [("'parallel.ulysses'", p.ulysses)]
     if p.sequence_parallel:
         slices = [("'parallel.tensor' × 'parallel.ulysses'", p.tensor * p.ulysses)]
+    if p.context > 1:
+        # Two chunks per context rank, each cut again as above.
+        size = 2 * p.context * p.ulysses * (p.tensor if p.sequence_parallel else 1)
+        key = "2 × 'parallel.context'" + " × 'parallel.ulysses'" * (p.ulysses > 1) \
+            + " × 'parallel.tensor'" * p.sequence_parallel
+        slices = [(key, size)]
     for key, size in slices:
         if size > 1 and d.seq_length % size:
             out.append(f"'data.seq_length' = {d.seq_length} must be divisible by {key} = {size} "
                        "(each rank takes an equal slice of the sequence)")
+    if p.context > 1 and m.dropout > 0:
+        out.append(f"'model.dropout' = {m.dropout} with 'parallel.context' = {p.context}: ring "
+                   "attention has no attention dropout; set model.dropout=0")
     if m.n_layers < p.pipeline:
         out.append(f"'parallel.pipeline' = {p.pipeline} stages need at least as many layers; "
                    f"'model.n_layers' = {m.n_layers}")
@@ -276,6 +285,10 @@ def _parallel_problems(cfg: Config) -> list[str]:
         out.append(f"'parallel.zero_stage' = {p.zero_stage} with 'parallel.pipeline' = {p.pipeline}: "
                    "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; set "
                    "parallel.zero_stage=1")
+    if p.hsdp and p.context > 1:
+        out.append(f"'parallel.hsdp' = true with 'parallel.context' = {p.context}: not in this "
+                   "version (as with parallel.ulysses: a context group shares one ZeRO partition "
+                   "with its data ranks); use parallel.zero_stage=3 without HSDP")
     if p.hsdp and p.ulysses > 1:
         out.append(f"'parallel.hsdp' = true with 'parallel.ulysses' = {p.ulysses}: not in this "
                    "version (HSDP's shard and replica groups are cut from the data-parallel ranks, "

@@ -286,6 +286,13 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
 def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: send ``x`` to the next rank of ``group`` and receive the previous
     rank's (point to point, as pipeline stages pass activations)."""
+    return ring_exchange_start(x, group)()
+
+
+def ring_exchange_start(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """``ring_exchange`` begun: returns the wait, which gives the previous rank's tensor. Work
+    done before the wait overlaps the transfer (ring attention computes its block meanwhile);
+    ``x`` must not change until then."""
     _check_device(x, group, "batch_isend_irecv")
     size, me = dist.get_world_size(group), dist.get_rank(group)
     out = torch.empty_like(x)
@@ -295,9 +302,13 @@ def ring_exchange(x: torch.Tensor, group) -> torch.Tensor:
         dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + 1) % size), group),
         dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - 1) % size), group),
     ])
-    for request in requests:
-        request.wait()
-    return out
+
+    def wait() -> torch.Tensor:
+        for request in requests:
+            request.wait()
+        return out
+
+    return wait
 
 
 def group_members(group) -> list[int]:

@@ -15,13 +15,16 @@ class TopologyError(ValueError):
 
 
 # Rank order, innermost first (Megatron's): tensor ranks are neighbours (one node, fastest links),
-# then Ulysses sequence ranks, then data-parallel replicas, then pipeline stages.
-AXES = ("tensor", "ulysses", "data", "pipeline")
-# The accelerator groups: name -> the axes along which its ranks differ (DeepSpeed also asks for
-# data × Ulysses, the ranks that average gradients; the step's report reduces over every rank on
-# the device, training/step_report.py: never over the default group, see collectives.py).
-GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "data": ("data",),
-              "pipeline": ("pipeline",), "sequence_data": ("ulysses", "data"), "world": AXES}
+# then Ulysses sequence ranks (their all-to-all stays in the node), then context-parallel ranks
+# (the ring's point-to-point crosses nodes), then data-parallel replicas, then pipeline stages.
+AXES = ("tensor", "ulysses", "context", "data", "pipeline")
+# The accelerator groups: name -> the axes along which its ranks differ ("sequence": the ranks
+# that split one sequence, Ulysses × context; DeepSpeed also asks for data × sequence, the ranks
+# that average gradients; the step's report reduces over every rank on the device,
+# training/step_report.py: never over the default group, see collectives.py).
+GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "context": ("context",),
+              "data": ("data",), "pipeline": ("pipeline",), "sequence": ("ulysses", "context"),
+              "sequence_data": ("ulysses", "context", "data"), "world": AXES}
 HOST_GROUPS = ("control", "checkpoint", "setup")
 """The gloo groups of host control, each of every rank (``create_control_groups``)."""
 
@@ -30,7 +33,7 @@ HOST_GROUPS = ("control", "checkpoint", "setup")
 class ParallelDims:
     """Sizes of the parallel dimensions and this rank's place in them.
 
-    ``world_size = tensor × ulysses × data × pipeline``. Process groups are created once by
+    ``world_size = tensor × ulysses × context × data × pipeline``. Process groups are created once by
     ``create_groups`` (a collective) and kept here; ``mpu()`` gives DeepSpeed its view of them.
     """
 
@@ -45,6 +48,7 @@ class ParallelDims:
     hsdp_shard_size: int = 0
     """0: no HSDP; otherwise ZeRO-3 shards within groups of this many data-parallel ranks
     (``shard`` groups), whose replicas average gradient shards over ``replica`` groups."""
+    context: int = 1
     groups: dict = field(default_factory=dict, compare=False, repr=False)
 
     def size(self, axis: str) -> int:
@@ -67,6 +71,20 @@ class ParallelDims:
         return self.coordinate("ulysses")
 
     @property
+    def context_rank(self) -> int:
+        return self.coordinate("context")
+
+    @property
+    def sequence(self) -> int:
+        """How many ranks split one sequence: Ulysses × context."""
+        return self.ulysses * self.context
+
+    @property
+    def sequence_rank(self) -> int:
+        """This rank's place among them (its rank in the ``sequence`` group)."""
+        return self.ulysses_rank + self.ulysses * self.context_rank
+
+    @property
     def dp_rank(self) -> int:
         return self.coordinate("data")
 
@@ -86,10 +104,10 @@ class ParallelDims:
     @property
     def deepspeed_data(self) -> int:
         """The data-parallel size DeepSpeed sees: one shard group under HSDP; under pipeline
-        parallelism the Ulysses ranks too (the pipeline engine's topology has no sequence axis:
+        parallelism the sequence ranks too (the pipeline engine's topology has no sequence axis:
         ``engine/pipeline.py``)."""
         if self.pipeline > 1:
-            return self.data * self.ulysses
+            return self.data * self.sequence
         return self.hsdp_shard_size or self.data
 
     @property
@@ -178,11 +196,12 @@ class ParallelDims:
         """Validate the layout for ``world_size`` ranks; every problem is reported together."""
         p, m, t = cfg.parallel, cfg.model, cfg.training
         problems = []
-        model_ranks = p.tensor * p.pipeline * p.ulysses
+        model_ranks = p.tensor * p.pipeline * p.ulysses * p.context
         if world_size % model_ranks:
             problems.append(f"world size {world_size} is not divisible by parallel.tensor × "
-                            f"parallel.pipeline × parallel.ulysses = {p.tensor} × {p.pipeline} × "
-                            f"{p.ulysses}; change one of them or the number of ranks")
+                            f"parallel.pipeline × parallel.ulysses × parallel.context = {p.tensor} × "
+                            f"{p.pipeline} × {p.ulysses} × {p.context}; change one of them or the "
+                            "number of ranks")
         dp = max(world_size // model_ranks, 1)
         if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
             problems.append(f"training.global_batch_size={t.global_batch_size} is not a multiple of "
@@ -202,7 +221,7 @@ class ParallelDims:
         if problems:
             raise TopologyError("parallel layout problem(s):\n" + "\n".join(f"  - {x}" for x in problems))
         return ParallelDims(world_size, rank, local_rank, p.tensor, p.pipeline, dp, p.ulysses,
-                            p.sequence_parallel and p.tensor > 1, shard)
+                            p.sequence_parallel and p.tensor > 1, shard, context=p.context)
 
     def global_batch(self, cfg: Config) -> int:
         return cfg.training.global_batch_size or cfg.training.micro_batch_size * self.data

@@ -79,7 +79,7 @@ def patch_engine(engine, cfg: Config, dims: ParallelDims) -> None:
         internals.keep_clipped_norm(engine)
     if zero == 0:
         internals.drop_gradients_from_a_list(engine)
-    if (dims.pipeline == 1 and zero == 0 and dims.data == 1 and dims.ulysses == 1
+    if (dims.pipeline == 1 and zero == 0 and dims.data == 1 and dims.sequence == 1
             and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
         # group of one: skip its flatten / all-reduce / unflatten of every gradient per step.

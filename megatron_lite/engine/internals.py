@@ -15,6 +15,7 @@ Parameter attributes DeepSpeed reads:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -93,6 +94,12 @@ RELIED_ON = (
     ("built zero3.param.ds_tensor", "ds_numel"),
     # How every op builder builds (distributed/cpu_extensions.py).
     ("body deepspeed.ops.op_builder.builder:OpBuilder.jit_load", OP_BUILD_CALL),
+    # torch's attention kernels that return (and take back) the softmax's log-sum-exp, which
+    # ring attention merges its blocks with (attention_with_lse, parallel/ring.py).
+    ("attr torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    ("attr torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    ("attr torch:ops.aten", "_scaled_dot_product_flash_attention"),
+    ("attr torch:ops.aten", "_scaled_dot_product_flash_attention_backward"),
 )
 
 TENSOR_PARALLEL = "tensor_model_parallel"
@@ -297,3 +304,60 @@ def relink_optimizer_state(engine) -> None:
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Attention of (B, H, Tq, hd) queries over (B, H, Tk, hd) keys and values (heads already
+    matched), with what its backward needs: (out (B, H, Tq, hd), the log-sum-exp of each
+    query's scores (B, H, Tq) in fp32, the kernel's own extras). Public SDPA returns no
+    log-sum-exp. The CPU's and CUDA's flash kernels (CUDA: fp16/bf16) where they apply; else the
+    scores in full (``_math_attention``: any device, memory quadratic in the block)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse.float(), ()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse.float(), tuple(rest)
+    out, lse = _math_attention(q, k, v, causal)
+    return out, lse, ()
+
+
+def attention_with_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                extras: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block given the whole attention's ``out`` and ``lse`` (not the
+    block's): the softmax's probabilities and its row term are then the whole row's, so the
+    blocks' gradients sum to the whole attention's. ``extras``: what ``attention_with_lse``
+    returned for this block."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        cum_q, cum_k, max_q, max_k, seed, offset, _ = extras
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.to(torch.float32), cum_q, cum_k, max_q, max_k, 0.0, causal,
+            seed, offset)
+    return _math_attention_backward(dout, q, k, v, out, lse, causal)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _math_attention(q, k, v, causal):
+    s = _scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
+
+
+def _math_attention_backward(dout, q, k, v, out, lse, causal):
+    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))  # (B, H, Tq, Tk)
+    do = dout.float()
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ v.float().transpose(-1, -2)
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
+    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), dv.to(v.dtype)

@@ -16,21 +16,23 @@ class ModelParallelUnit:
 
     def __init__(self, dims: ParallelDims):
         self.dims = dims
-        # HSDP holds no Ulysses ranks (config validation), so data and data × Ulysses coincide.
+        # HSDP holds no sequence ranks (config validation), so data and data × sequence coincide.
         self._deepspeed_data = "shard" if dims.hsdp_shard_size else None
 
     def _size(self, name: str) -> int:
         d = self.dims
         if self._deepspeed_data and name in ("data", "sequence_data"):
             return d.deepspeed_data
-        return {"sequence_data": d.data * d.ulysses}.get(name) or d.size(name)
+        return {"sequence_data": d.data * d.sequence}.get(name) or d.size(name)
 
     def _rank(self, name: str) -> int:
         d = self.dims
         if self._deepspeed_data and name in ("data", "sequence_data"):
             return d.shard_rank
         if name == "sequence_data":
-            return d.dp_rank * d.ulysses + d.ulysses_rank
+            return d.dp_rank * d.sequence + d.sequence_rank
+        if name == "sequence":
+            return d.sequence_rank
         return d.coordinate(name)
 
     def _group(self, name: str):
@@ -65,15 +67,16 @@ class ModelParallelUnit:
     def get_data_parallel_world_size(self) -> int:
         return self._size("data")
 
-    # Ulysses sequence parallel, and the ranks that average gradients (data × sequence)
+    # The ranks that split a sequence (Ulysses × context: DeepSpeed sums their gradients, as
+    # it does Ulysses ranks'), and the ranks that average gradients (data × sequence)
     def get_sequence_parallel_group(self):
-        return self._group("ulysses")
+        return self._group("sequence")
 
     def get_sequence_parallel_rank(self) -> int:
-        return self._rank("ulysses")
+        return self._rank("sequence")
 
     def get_sequence_parallel_world_size(self) -> int:
-        return self._size("ulysses")
+        return self.dims.sequence
 
     def get_sequence_data_parallel_group(self):
         return self._group("sequence_data")

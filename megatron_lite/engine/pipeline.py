@@ -23,10 +23,10 @@ from megatron_lite.model.transformer import Transformer
 def loss_scale(dims: ParallelDims, grad_accum: int) -> float:
     """The factor a pipeline's training loss is multiplied by before DeepSpeed's backward (the
     loss it reports is divided by it again: ``StepRunner``). The engine averages gradients over
-    its data axis, Ulysses ranks included, where they must be summed: times ``ulysses``. A
+    its data axis, sequence ranks included, where they must be summed: times ``sequence``. A
     release that sums the ``grad_accum`` accumulation steps' gradients instead of averaging them
     (``versions.GAS_SCALING_ALWAYS``) gets them averaged through the loss."""
-    scale = float(dims.ulysses)
+    scale = float(dims.sequence)
     if deepspeed_version() < GAS_SCALING_ALWAYS:
         scale /= grad_accum
     return scale
@@ -50,13 +50,13 @@ def _stage_pipeline_class() -> type:
 
         def __init__(self, stage: Transformer, dims: ParallelDims, tied: bool, train_scale: float):
             layers = [stage if s == dims.pp_rank else LayerSpec(nn.Identity) for s in range(dims.pipeline)]
-            # DeepSpeed's pipeline topology has no sequence axis. Its data axis spans the Ulysses
-            # ranks too: with the data axis outside the sequence axis in our rank order, its
-            # "data" groups are our sequence_data groups (a Ulysses rank's gradient is its
-            # slice's share, to be summed over the sequence ranks and averaged over the data
-            # ranks).
+            # DeepSpeed's pipeline topology has no sequence axis. Its data axis spans the sequence
+            # (Ulysses × context) ranks too: with the data axis outside the sequence axes in our
+            # rank order, its "data" groups are our sequence_data groups (a sequence rank's
+            # gradient is its slice's share, to be summed over the sequence ranks and averaged
+            # over the data ranks).
             topology = PipeModelDataParallelTopology(num_pp=dims.pipeline, num_mp=dims.tensor,
-                                                     num_dp=dims.data * dims.ulysses)
+                                                     num_dp=dims.data * dims.sequence)
             super().__init__(layers=layers, topology=topology, partition_method="uniform")
             self.train_scale = train_scale
             # The last stage's output layer is the loss function; a module attribute, so its

@@ -31,6 +31,7 @@ from megatron_lite.model.transformer import (
     initial_value,
 )
 from megatron_lite.parallel.random import TensorParallelRNG
+from megatron_lite.parallel.ring import RingAttention
 from megatron_lite.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,7 +40,7 @@ from megatron_lite.parallel.tensor_parallel import (
     VocabParallelLMHead,
     slice_of,
 )
-from megatron_lite.parallel.ulysses import OffsetPositions, SequenceMeanLoss, UlyssesAttention
+from megatron_lite.parallel.ulysses import HeldPositions, SequenceMeanLoss, UlyssesAttention
 
 
 class ScatterSequence(nn.Module):
@@ -89,10 +90,14 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
             for bias in (attn.o_proj.bias, mlp.down_proj.bias):
                 if bias is not None:
                     comm.sum_gradient_over(bias, group)
+    attn = block.attn.inner if isinstance(block.attn, TensorParallelRegion) else block.attn
+    if dims.context > 1:
+        # The ring runs on the heads this rank attends: after the Ulysses all-to-all (USP), which
+        # wraps it below.
+        attn.core = RingAttention(attn.core, dims.group("context"), dims.context_rank, dims.context)
     if dims.ulysses > 1:
         # With tensor parallelism this rank's heads are its tensor slice's: the all-to-all
         # splits those over the Ulysses ranks.
-        attn = block.attn.inner if isinstance(block.attn, TensorParallelRegion) else block.attn
         problems = ulysses_head_problems(attn.n_heads, attn.n_kv_heads, dims.ulysses, dims.tensor)
         if problems:
             raise ValueError("; ".join(problems))
@@ -107,8 +112,9 @@ def parallelize_embedding(owner: nn.Module, dims: ParallelDims) -> None:
         if dims.sequence_parallel:
             # Dropout after the scatter: each rank drops on its own slice.
             owner.drop = nn.Sequential(ScatterSequence(dims.group("tensor")), owner.drop)
-    if dims.ulysses > 1 and owner.pos_emb is not None:
-        owner.pos_emb = OffsetPositions(owner.pos_emb, dims.ulysses_rank)
+    if dims.sequence > 1 and owner.pos_emb is not None:
+        owner.pos_emb = HeldPositions(owner.pos_emb, dims.ulysses, dims.ulysses_rank, dims.context,
+                                      dims.context_rank)
 
 
 def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Parameter | None) -> None:
@@ -122,12 +128,13 @@ def parallelize_head(owner: nn.Module, dims: ParallelDims, tied_weight: nn.Param
                                             dims.sequence_parallel, owner.lm_head.used)
         if dims.sequence_parallel:
             sum_grads_over_tensor_ranks(owner.norm, dims)
-    if dims.ulysses > 1:
-        owner.lm_head = SequenceMeanLoss(owner.lm_head, dims.group("ulysses"), dims.ulysses)
+    if dims.sequence > 1:
+        owner.lm_head = SequenceMeanLoss(owner.lm_head, dims.group("sequence"), dims.sequence)
 
 
 def parallelize(model: Transformer, dims: ParallelDims) -> Transformer:
-    """Apply tensor, Megatron-sequence and Ulysses parallelism to a tagged meta model in place."""
+    """Apply tensor, Megatron-sequence, Ulysses and context parallelism to a tagged meta model
+    in place."""
     for block in model.blocks.values():
         parallelize_block(block, dims)
     parallelize_embedding(model, dims)

@@ -1,6 +1,6 @@
 """Which random streams agree across ranks and which differ.
 
-Seeds (``rank_seed``): data-parallel replicas and Ulysses sequence slices see different tokens,
+Seeds (``rank_seed``): data-parallel replicas and sequence slices (Ulysses, context) see different tokens,
 so their dropout differs. Tensor-parallel ranks hold the same activations outside the parallel
 regions, so there their dropout must agree - except with Megatron sequence parallelism, where
 each tensor rank holds its own slice of the sequence (and must differ). Inside attention each
@@ -17,7 +17,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 
 def rank_seed(seed: int, dims: ParallelDims) -> int:
     """Seed of this rank's default generator (dropout), given the run's ``seed``."""
-    stream = dims.dp_rank * dims.ulysses + dims.ulysses_rank
+    stream = dims.dp_rank * dims.sequence + dims.sequence_rank
     if dims.sequence_parallel:
         stream = stream * dims.tensor + dims.tp_rank
     # Pipeline stages run different layers: their streams need not relate, but differ anyway.

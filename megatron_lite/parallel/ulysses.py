@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megatron_lite.parallel import comm
+from megatron_lite.parallel.ring import sequence_positions
 
 
 class UlyssesAttention(nn.Module):
@@ -24,21 +25,26 @@ class UlyssesAttention(nn.Module):
         return self.dist_attn(q, k, v, 0, None, rope)
 
 
-class OffsetPositions(nn.Module):
-    """Learned position embedding of a sequence slice: positions start at rank × slice length."""
+class HeldPositions(nn.Module):
+    """Learned position embedding of the tokens this rank holds of each sequence
+    (``ring.sequence_positions``: a Ulysses slice, of the context rank's two chunks)."""
 
-    def __init__(self, emb: nn.Embedding, rank: int):
+    def __init__(self, emb: nn.Embedding, ulysses: int, ulysses_rank: int, context: int, context_rank: int):
         super().__init__()
-        self.emb, self.rank = emb, rank
+        self.emb = emb
+        self.split = (ulysses, ulysses_rank, context, context_rank)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.emb(positions + self.rank * positions.numel())
+        ulysses, _, context, _ = self.split
+        held = sequence_positions(positions.numel() * ulysses * context, *self.split, positions.device)
+        return self.emb(held)
 
 
 class SequenceMeanLoss(nn.Module):
-    """The loss over the whole sequence from each rank's slice: the mean of the slices' mean
-    losses (equal slices), summed forward, passed through unchanged backward - each rank's
-    gradients are its slice's share, which DeepSpeed sums over the sequence ranks."""
+    """The loss over the whole sequence from each rank's slice (Ulysses, context or both: the
+    ``sequence`` group): the mean of the slices' mean losses (equal slices), summed forward,
+    passed through unchanged backward - each rank's gradients are its slice's share, which
+    DeepSpeed sums over the sequence ranks."""
 
     def __init__(self, head: nn.Module, group, size: int):
         super().__init__()

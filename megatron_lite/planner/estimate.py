@@ -98,7 +98,7 @@ def largest_gathered(m: ModelConfig, tensor: int, tile_factor: int) -> int:
 
 def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: bool) -> float:
     """Activation memory of one block for one micro-batch on one rank."""
-    b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / dims.ulysses, m.d_model
+    b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / dims.sequence, m.d_model
     t = dims.tensor
     width = 4 if cfg.training.precision == "fp32" else 2
     h_kv = m.kv_heads * m.head_dim
@@ -137,7 +137,7 @@ def output_layer_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, device_t
     """Peak memory of the final norm, the output layer and the loss for one micro-batch on one
     rank, beyond the weights and the blocks' activations."""
     assert m.vocab_size is not None
-    tokens = cfg.training.micro_batch_size * cfg.data.seq_length // dims.ulysses  # rows into the head
+    tokens = cfg.training.micro_batch_size * cfg.data.seq_length // dims.sequence  # rows into the head
     width = 4 if cfg.training.precision == "fp32" else 2
     sp = dims.tensor if dims.sequence_parallel else 1
     final_norm = 2 * width * tokens * m.d_model / sp  # its input and output, kept for backward
@@ -167,7 +167,7 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
     mixed = cfg.training.precision != "fp32"
     w_bytes, g_bytes, o_bytes = (2, 2, 12) if mixed else (4, 4, 8)
     stage = cfg.parallel.deepspeed_zero_stage
-    shard = dims.hsdp_shard_size or dims.data * dims.ulysses
+    shard = dims.hsdp_shard_size or dims.data * dims.sequence
     weights = p * w_bytes / (shard if stage >= 3 else 1)
     grads = p * g_bytes / (shard if stage >= 2 else 1)
     optimizer = p * o_bytes / (shard if stage >= 1 else 1)

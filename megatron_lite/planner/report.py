@@ -46,7 +46,8 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         f"{spec.memory_gb:g} GB and {(spec.fp32 if t.precision == 'fp32' else spec.bf16) / 1e12:g} "
         "TFLOP/s peak each",
         f"layout: tensor {d.tensor}{' + sequence parallel' if d.sequence_parallel else ''} × pipeline "
-        f"{d.pipeline} × ulysses {d.ulysses} × data {d.data}, ZeRO-{cfg.parallel.deepspeed_zero_stage}"
+        f"{d.pipeline} × ulysses {d.ulysses}{f' × context {d.context}' if d.context > 1 else ''} × data "
+        f"{d.data}, ZeRO-{cfg.parallel.deepspeed_zero_stage}"
         + (f" (HSDP: shard groups of {d.hsdp_shard_size} × {d.hsdp_replicas} replicas)"
            if d.hsdp_shard_size else ""),
         f"batch: micro {t.micro_batch_size} × accumulation {plan.grad_accumulation} × data {d.data} = "

@@ -85,7 +85,7 @@ class Evaluator:
         if not t.sample_prompt or t.sample_tokens <= 0:
             return None
         p = self.cfg.parallel
-        if p.pipeline > 1 or p.ulysses > 1 or (p.sequence_parallel and p.tensor > 1):
+        if p.pipeline > 1 or p.ulysses > 1 or p.context > 1 or (p.sequence_parallel and p.tensor > 1):
             return None  # generation runs whole prompts through one model replica
         tok = self.data.tokenizer
         prompt = on_every_rank(lambda: list(tok.encode(t.sample_prompt)), self.dims,

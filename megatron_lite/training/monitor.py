@@ -72,7 +72,8 @@ class SlowdownMonitor:
 def forward_is_local(cfg: Config) -> bool:
     """Whether the forward pass holds no collective in this layout."""
     p = cfg.parallel
-    return (p.tensor == 1 and p.pipeline == 1 and p.ulysses == 1 and p.deepspeed_zero_stage < 3
+    return (p.tensor == 1 and p.pipeline == 1 and p.ulysses == 1 and p.context == 1
+            and p.deepspeed_zero_stage < 3
             and not p.hsdp)
 
 

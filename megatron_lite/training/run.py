@@ -118,6 +118,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     runtime = {
         "world_size": dims.world_size, "data_parallel": dims.data, "tensor_parallel": dims.tensor,
         "pipeline_parallel": dims.pipeline, "ulysses": dims.ulysses,
+        "context_parallel": dims.context,
         "sequence_parallel": dims.sequence_parallel, "hsdp_shard_size": dims.hsdp_shard_size,
         "global_batch_size": dims.global_batch(cfg),
         "grad_accumulation": dims.grad_accumulation(cfg), "iters": iters,
@@ -136,7 +137,8 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     on_one_rank_then_all(write_run_files, dims, f"writing {run_dir}/config.yaml and runtime.json")
     log(f"model: {runtime['parameters']:,} parameters, {fpt / 1e9:.3f} GFLOPs/token | "
         f"world {dims.world_size} (dp {dims.data}, tp {dims.tensor}, pp {dims.pipeline}, "
-        f"ulysses {dims.ulysses}) | global batch {runtime['global_batch_size']} "
+        f"ulysses {dims.ulysses}{f', context {dims.context}' if dims.context > 1 else ''}) | "
+        f"global batch {runtime['global_batch_size']} "
         f"(micro {cfg.training.micro_batch_size} × accum {runtime['grad_accumulation']}) | "
         f"{iters} iters | device {acc.device_name()}")
 

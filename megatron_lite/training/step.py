@@ -42,6 +42,7 @@ from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.config import trainer_clips_gradients
 from megatron_lite.engine.pipeline import loss_scale
+from megatron_lite.parallel.ring import sequence_positions
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
 from megatron_lite.training.timing import NoClock
 
@@ -210,9 +211,11 @@ class StepRunner:
     def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T+1) token windows -> this rank's (inputs, targets)."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        if self.dims.ulysses > 1:
-            inputs = inputs.chunk(self.dims.ulysses, dim=1)[self.dims.ulysses_rank]
-            targets = targets.chunk(self.dims.ulysses, dim=1)[self.dims.ulysses_rank]
+        if self.dims.sequence > 1:
+            d = self.dims
+            held = sequence_positions(inputs.size(1), d.ulysses, d.ulysses_rank, d.context, d.context_rank,
+                                      inputs.device)
+            inputs, targets = inputs[:, held], targets[:, held]
         return inputs, targets
 
     def _pairs(self, batches: Iterator[torch.Tensor], device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -86,11 +86,12 @@ def what_ran(engine, dims: ParallelDims) -> dict:
     from megatron_lite.distributed.collectives import group_size
     from megatron_lite.model.transformer import Block
     from megatron_lite.parallel.apply import ScatterSequence
+    from megatron_lite.parallel.ring import RingAttention
     from megatron_lite.parallel.tensor_parallel import ColumnParallelLinear, TensorParallelRegion
     from megatron_lite.parallel.ulysses import UlyssesAttention
 
     modules = list(engine.module.modules())
-    axes = ("tensor", "ulysses", "data", "pipeline")
+    axes = ("tensor", "ulysses", "context", "data", "pipeline")
     return {
         "coordinates": {axis: dims.coordinate(axis) for axis in axes},
         "group_sizes": {axis: group_size(dims.group(axis)) for axis in axes},
@@ -99,6 +100,7 @@ def what_ran(engine, dims: ParallelDims) -> dict:
                                          for m in modules),
         "scatters": sum(isinstance(m, ScatterSequence) for m in modules),
         "ulysses_attention": sum(isinstance(m, UlyssesAttention) for m in modules),
+        "ring_attention": sum(isinstance(m, RingAttention) for m in modules),
         "blocks": sum(isinstance(m, Block) for m in modules),
         "zero_stage": engine.zero_optimization_stage(),
         "pipeline_stages": engine.num_stages if isinstance(engine, PipelineEngine) else 1,

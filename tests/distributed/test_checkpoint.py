@@ -80,8 +80,9 @@ def uninterrupted(tmp_path_factory):
     # Tiles (each block linear 2 x 2 parameters) load into the plain layers, ZeRO-3 into none.
     ((2, ["parallel.zero_stage=3", "parallel.tile_factor=2"]), (1, [])),
     ((4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2"]), (2, ["parallel.zero_stage=2"])),
-    ((4, ["parallel.tensor=2", "parallel.pipeline=2"]), (1, [])),
-], ids=["dp2-zero3-tiled-to-1", "hsdp2x2-to-dp2-zero2", "tp2xpp2-to-1"])
+    # Into ring attention, whose ZeRO-1 partitions span the context ranks (saved at step 6).
+    ((4, ["parallel.tensor=2", "parallel.pipeline=2"]), (2, ["parallel.context=2", "parallel.zero_stage=1"])),
+], ids=["dp2-zero3-tiled-to-1", "hsdp2x2-to-dp2-zero2", "tp2xpp2-to-context2-zero1"])
 def test_checkpoint_loads_into_another_layout(tmp_path, uninterrupted, save, resume):
     ck = [f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_interval=3"]
     check(run_pretrain([*_args(tmp_path, "training.iters=3", *save[1]), *ck, f"logging.dir={tmp_path}/a"],

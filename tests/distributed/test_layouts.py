@@ -41,6 +41,11 @@ LAYOUTS = {
                                "parallel.pipeline_partition=type:Block"]),
     "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                  "parallel.pipeline=2", "parallel.ulysses=2"]),
+    # Ring attention (context parallelism), alone, with Ulysses (USP) and with tensor and
+    # pipeline parallelism.
+    "context2": (2, ["parallel.context=2"]),
+    "context2xulysses2": (4, ["parallel.context=2", "parallel.ulysses=2"]),
+    "tp2xpp2xcontext2": (8, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.context=2"]),
 }
 
 
@@ -144,18 +149,19 @@ def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
     """What each rank recorded that it ran (``layout_worker.what_ran``) is the layout the
     overrides claim: equal numbers prove little if a dimension silently fell back to one."""
     given = dict(o.split("=", 1) for o in overrides)
-    size = {axis: int(given.get(f"parallel.{axis}", 1)) for axis in ("tensor", "pipeline", "ulysses")}
-    size["data"] = nproc // (size["tensor"] * size["pipeline"] * size["ulysses"])
+    axes = ("tensor", "ulysses", "context", "data", "pipeline")
+    size = {axis: int(given.get(f"parallel.{axis}", 1)) for axis in axes if axis != "data"}
+    size["data"] = nproc // (size["tensor"] * size["pipeline"] * size["ulysses"] * size["context"])
     zero = 3 if given.get("parallel.hsdp") == "true" else int(given.get("parallel.zero_stage", 0))
     sequence_parallel = given.get("parallel.sequence_parallel") == "true"
     tiled = given.get("parallel.tile_factor", "1") != "1"  # tiles replace the parallel linears
     n_layers = 4  # layout_worker.COMMON
     for variant in ranks[0]:
         ran = [rank[variant]["ran"] for rank in ranks]
-        places = {tuple(r["coordinates"][a] for a in ("tensor", "ulysses", "data", "pipeline")) for r in ran}
+        places = {tuple(r["coordinates"].values()) for r in ran}
         assert len(places) == nproc, (variant, places)  # every rank a distinct place
         for r in ran:
-            assert r["group_sizes"] == {a: size[a] for a in ("tensor", "ulysses", "data", "pipeline")}, r
+            assert r["group_sizes"] == {a: size[a] for a in axes}, r
             assert r["zero_stage"] == zero and r["pipeline_stages"] == size["pipeline"], r
             blocks = r["blocks"]
             assert (blocks < n_layers) if size["pipeline"] > 1 else (blocks == n_layers), r
@@ -164,6 +170,7 @@ def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
             if r["coordinates"]["pipeline"] == 0:  # the stage that embeds scatters the sequence
                 assert (r["scatters"] > 0) == sequence_parallel, r
             assert r["ulysses_attention"] == (blocks if size["ulysses"] > 1 else 0), r
+            assert r["ring_attention"] == (blocks if size["context"] > 1 else 0), r
         if size["tensor"] > 1:  # the weights are each rank's slices, not whole copies
             for rank in ranks:
                 tp_rank = rank[variant]["ran"]["coordinates"]["tensor"]

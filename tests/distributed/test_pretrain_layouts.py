@@ -35,7 +35,8 @@ def reference(tmp_path_factory):
     ["parallel.pipeline=2", "parallel.zero_stage=1"],
     ["parallel.ulysses=2"],
     ["parallel.tensor=2"],
-], ids=["zero3", "tp2-sp", "pp2", "ulysses2", "tp2"])
+    ["parallel.context=2"],
+], ids=["zero3", "tp2-sp", "pp2", "ulysses2", "tp2", "context2"])
 def test_pretrain_layout_matches_single_process(tmp_path, reference, layout):
     reference, sample = reference
     proc = check(run_pretrain([*_args(tmp_path), *layout, f"logging.dir={tmp_path}/run"], nproc=2))
@@ -54,6 +55,7 @@ def test_layout_that_does_not_fit_the_world_fails_at_start_once(tmp_path):
     proc = run_pretrain([*_args(tmp_path), "parallel.tensor=4", f"logging.dir={tmp_path}/run"], nproc=2,
                         timeout=180)
     assert proc.returncode != 0
-    message = "world size 2 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses"
+    message = ("world size 2 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses × "
+               "parallel.context")
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()  # nothing was built or written

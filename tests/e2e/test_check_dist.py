@@ -22,7 +22,7 @@ def test_four_ranks_pass_every_group_and_collective():
                 "--iters", "2", "--timeout-s", "60")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "check_dist: 4 ranks up; layout tensor 2 × ulysses 1 × data 2 × pipeline 1" in out
+    assert "check_dist: 4 ranks up; layout tensor 2 × ulysses 1 × context 1 × data 2 × pipeline 1" in out
     for rank in range(4):  # the per-rank table: rank, host, local rank, launcher
         assert any(line.split()[:1] == [str(rank)] and "torchrun" in line for line in out.splitlines())
     for group, ranks in [("tensor", "[0, 1]"), ("tensor", "[2, 3]"), ("data", "[0, 2]"), ("data", "[1, 3]")]:
@@ -31,8 +31,8 @@ def test_four_ranks_pass_every_group_and_collective():
     for group in ("control", "checkpoint", "setup", "world"):
         assert f"{group:<14} {'[0, 1, 2, 3]':<20} {'all_reduce':<15}" in out
     assert "DS_ACCELERATOR=cpu" in out and "LOCAL_RANK=0   (differs on ranks [1, 2, 3])" in out
-    assert "groups of one rank (created and checked, no traffic): pipeline, ulysses" in out
-    assert "check_dist: OK (4 ranks, 9 groups per rank)" in out
+    assert "groups of one rank (created and checked, no traffic): context, pipeline, sequence, ulysses" in out
+    assert "check_dist: OK (4 ranks, 11 groups per rank)" in out
 
 
 def test_the_deepspeed_launcher_runs_it_on_a_pipeline_layout():
@@ -43,7 +43,8 @@ def test_the_deepspeed_launcher_runs_it_on_a_pipeline_layout():
            "parallel.pipeline=2", "--iters", "1", "--timeout-s", "60"]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "check_dist: 2 ranks up; layout tensor 1 × ulysses 1 × data 1 × pipeline 2" in proc.stdout
+    assert ("check_dist: 2 ranks up; layout tensor 1 × ulysses 1 × context 1 × data 1 × pipeline 2"
+            in proc.stdout)
     assert any(line.split()[:2] == ["embedding", "[0,"] for line in proc.stdout.splitlines()), proc.stdout
     assert "LOCAL_RANK=0   (differs on ranks [1])" in proc.stdout
     assert "check_dist: OK (2 ranks" in proc.stdout

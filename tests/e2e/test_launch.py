@@ -449,7 +449,8 @@ def test_dry_run_after_the_recipe_is_still_a_dry_run_and_a_job_outside_the_repos
 @pytest.mark.parametrize("script, args, env, says", [
     # llama2-7b-polaris is TP 4 x PP 2: one node's 4 GPUs cannot hold it.
     ("polaris.sh", ["--dry-run", "recipes/llama2-7b-polaris.yaml"], {},
-     "world size 4 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses = 4 × 2 × 1"),
+     "world size 4 is not divisible by parallel.tensor × parallel.pipeline × parallel.ulysses × "
+     "parallel.context = 4 × 2 × 1 × 1"),
     ("polaris.sh", ["--dry-run", "recipes/shakespeare-char.yaml"], {"NNODES": "2", "NGPUS_PER_NODE": "2"},
      "training.global_batch_size=12 is not a multiple of training.micro_batch_size × data-parallel "
      "size = 12 × 4"),

@@ -55,6 +55,36 @@ def test_coordinates_and_ulysses_groups():
             mpu.get_data_parallel_world_size(), mpu.get_sequence_data_parallel_world_size()) == (1, 3, 4, 8)
 
 
+def test_context_ranks_sit_outside_ulysses_ranks_and_deepspeed_sees_both_as_sequence_ranks():
+    """USP: Ulysses ranks are neighbours (their all-to-all stays in a node), context ranks
+    next; DeepSpeed's sequence group is both, and each rank's place in it and in data ×
+    sequence is its index in those groups' rank lists (what torch.distributed numbers it)."""
+    dims = _dims(16, ["parallel.ulysses=2", "parallel.context=2"])
+    assert [d.ulysses_rank for d in dims[:8]] == [0, 1] * 4
+    assert [d.context_rank for d in dims[:8]] == [0, 0, 1, 1] * 2
+    assert [d.dp_rank for d in dims[:8]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims[0].group_ranks(("context",))[:2] == [[0, 2], [1, 3]]
+    for d in dims:
+        mpu = ModelParallelUnit(d)
+        sequence = next(g for g in d.group_ranks(("ulysses", "context")) if d.rank in g)
+        sequence_data = next(g for g in d.group_ranks(("ulysses", "context", "data")) if d.rank in g)
+        assert mpu.get_sequence_parallel_rank() == sequence.index(d.rank)
+        assert mpu.get_sequence_parallel_world_size() == len(sequence) == 4
+        assert mpu.get_sequence_data_parallel_rank() == sequence_data.index(d.rank)
+        assert mpu.get_sequence_data_parallel_world_size() == len(sequence_data) == 16
+    # Seeds: every sequence slice of every replica draws its own dropout.
+    assert len({rank_seed(0, d) for d in dims}) == 16
+
+
+def test_the_pipeline_topology_counts_context_ranks_as_data_ranks():
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    d = _dims(8, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.context=2"])[0]
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert sorted(d.group_ranks(("ulysses", "context", "data"))) == sorted(topo.get_axis_comm_lists("data"))
+    assert d.deepspeed_data == 2
+
+
 def test_hsdp_shard_size_defaults_to_the_node():
     dims = _dims(8, ["parallel.hsdp=true"])[0]
     assert dims.hsdp_shard_size == 4
@@ -110,6 +140,14 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
     (["parallel.hsdp=true", "parallel.zero_stage=1"], "set parallel.zero_stage=3"),
     (["parallel.hsdp_shard_size=0"], "must be at least 1"),
     (["parallel.hsdp=true", "parallel.ulysses=2"], "'parallel.hsdp' = true with 'parallel.ulysses' = 2"),
+    (["parallel.context=3"], "'data.seq_length' = 64 must be divisible by 2 × 'parallel.context' = 6"),
+    (["parallel.context=2", "parallel.ulysses=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+      "data.seq_length=40", "model.n_heads=8"],
+     "'data.seq_length' = 40 must be divisible by 2 × 'parallel.context' × 'parallel.ulysses' × "
+     "'parallel.tensor' = 16"),
+    (["parallel.context=2", "model.dropout=0.1"], "ring attention has no attention dropout"),
+    (["parallel.hsdp=true", "parallel.context=2"], "'parallel.hsdp' = true with 'parallel.context' = 2"),
+    (["parallel.context=0"], "'parallel.context' = 0 must be at least 1"),
     (["parallel.offload_optimizer=cpu"], "needs 'parallel.zero_stage' 1, 2 or 3"),
     (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "offload_params' = cpu needs ZeRO-3"),
     (["parallel.offload_optimizer=nvme", "parallel.zero_stage=3"], "needs 'parallel.nvme_path'"),
