@@ -1,7 +1,8 @@
 """Pipeline parallelism keeps the fused output layer + loss: the last stage's host memory peak
 over a training step, for Llama 3's 128K vocabulary, is within 10% of one process's (whose
 model/loss.py never builds the full logits). Full fp32 logits of the step's 1,024 tokens alone
-would be 525 MB, about twice the whole one-process peak."""
+would be 525 MB, about twice the whole one-process peak. Context parallelism halves a long
+sequence's activations."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def test_last_pipeline_stage_never_holds_full_logits(tmp_path):
     assert single < full_logits, f"the one-process step allocated {single / 1e6:.0f} MB"
     assert last_stage <= 1.10 * single, (f"last stage {last_stage / 1e6:.0f} MB against one process's "
                                          f"{single / 1e6:.0f} MB")
+
+
+def test_context_parallelism_halves_the_activations_of_a_long_sequence(tmp_path):
+    """Sequence 8192 on a small model and vocabulary: what one step allocates under ring
+    attention over 2 ranks (a rank's half of the sequence, the keys and values in flight, the
+    merge's fp32 buffers) is at most 0.6 of one process's."""
+    long = ["data.seq_length=8192", "training.micro_batch_size=1", "training.global_batch_size=1",
+            "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "vocab=512"]
+    single, _ = peak(tmp_path / "one", 1, long)
+    ring, ran = peak(tmp_path / "cp2", 2, [*long, "parallel.context=2"])
+    assert ran["ring_attention"] == 2 and ran["group_sizes"]["context"] == 2, ran
+    assert ring <= 0.6 * single, f"context=2: {ring / 1e6:.1f} MB against one process's {single / 1e6:.1f} MB"
