@@ -107,6 +107,10 @@ def _unlock(node: Any) -> None:
             _unlock(node._get_node(k))
 
 
+FORMER_VALUES = {"model.activation_checkpointing": {True: "full", False: "none"}}
+"""Values a key took before it became a choice, and what they mean now (recipes keep working)."""
+
+
 def build_config(raw: DictConfig) -> Config:
     """Apply ``raw`` (recipe + overrides) to the schema; collect every problem."""
     schema = OmegaConf.structured(Config)
@@ -115,6 +119,7 @@ def build_config(raw: DictConfig) -> Config:
     problems: list[str] = []
     failed: list[str] = []  # keys whose value could not be applied (left at their default)
     for path, value in _flatten(raw):
+        value = FORMER_VALUES.get(path, {}).get(value, value) if isinstance(value, bool) else value
         head = path.split(".", 1)[0]
         if head == "deepspeed":
             continue

@@ -124,8 +124,11 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections are scaled down by
     sqrt(2·n_layers) (GPT-2/Megatron scaled init)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: str = choice("none", "full", "selective")
+    """Recompute activations in backward instead of storing them: ``full``, each block's from
+    its input (``true`` means this); ``selective``, each block's cheap ops (norms, RoPE, the
+    MLP's activation and products, residual adds) while the matrix products' and attention's
+    outputs are kept (torchtitan's op-level selective checkpointing)."""
     fp8: bool = False
     """Float8 matrix products in the transformer blocks' linear layers (torchao's float8
     training, as torchtitan's ``float8`` converter: inputs and weights in e4m3, gradients in

@@ -100,6 +100,10 @@ RELIED_ON = (
     ("attr torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward"),
     ("attr torch:ops.aten", "_scaled_dot_product_flash_attention"),
     ("attr torch:ops.aten", "_scaled_dot_product_flash_attention_backward"),
+    # The kernels whose outputs selective recomputation keeps (KEPT_BY_SELECTIVE).
+    ("attr torch:ops.aten", "_scaled_dot_product_efficient_attention"),
+    ("attr torch:ops.aten", "_scaled_dot_product_cudnn_attention"),
+    ("attr torch:ops.aten", "_scaled_mm"),
 )
 
 TENSOR_PARALLEL = "tensor_model_parallel"
@@ -361,3 +365,17 @@ def _math_attention_backward(dout, q, k, v, out, lse, causal):
     dp = do @ v.float().transpose(-1, -2)
     ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
     return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), dv.to(v.dtype)
+
+
+KEPT_BY_SELECTIVE = frozenset({
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_mm.default,  # float8 (model.fp8)
+    # What F.scaled_dot_product_attention runs on each device, and ring attention's blocks.
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
+"""The ops whose outputs a block under selective recomputation keeps (torchtitan's choice: the
+matrix products and attention, the costly ops); the rest (norms, RoPE, activations, products,
+residual adds) is recomputed in backward."""

@@ -10,13 +10,14 @@ query/key norms (``qk_norm``, Qwen3).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.loss import linear_cross_entropy
@@ -189,6 +190,16 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+def keep_outputs_of(ops: frozenset):
+    """Selective recomputation (torchtitan's op-level policy): a checkpointed block keeps the
+    outputs of ``ops`` and recomputes every other op in backward."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class LMHead(nn.Module):
     """Output layer: (B, T, D) hidden states -> (B, T, V) logits over the tokenizer's ``used``
     ids (padding rows of the weight take no part), or with targets the mean next-token loss,
@@ -232,7 +243,10 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.activation_checkpointing = cfg.activation_checkpointing  # none | full | selective
+        # The ops whose outputs selective recomputation keeps: torch's matrix-product and
+        # attention kernels, named by the build (parallel.apply.use_selective_recompute).
+        self.kept_ops: frozenset | None = None
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -266,9 +280,16 @@ class Transformer(nn.Module):
                 x = x + self.pos_emb(positions)
             x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        recompute = self.activation_checkpointing if self.training else "none"
         for block in self.blocks.values():
-            if self.activation_checkpointing and self.training:
+            if recompute == "full":
                 x = checkpoint(block, x, rope, use_reentrant=False)
+            elif recompute == "selective":
+                if self.kept_ops is None:
+                    raise RuntimeError("model.activation_checkpointing=selective: no ops to keep were given "
+                                       "(parallel.apply.use_selective_recompute)")
+                x = checkpoint(block, x, rope, use_reentrant=False,
+                               context_fn=functools.partial(keep_outputs_of, self.kept_ops))
             else:
                 x = block(x, rope)
         if self.norm is None:

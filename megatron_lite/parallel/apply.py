@@ -20,6 +20,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.device import DeviceKernels
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
+from megatron_lite.engine.internals import KEPT_BY_SELECTIVE
 from megatron_lite.engine.versions import ulysses_head_problems
 from megatron_lite.model.loss import compiles_softmax_pass, linear_cross_entropy, softmax_xent_grad
 from megatron_lite.model.transformer import (
@@ -174,6 +175,14 @@ def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str,
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()
     return module
+
+
+def use_selective_recompute(module: nn.Module) -> None:
+    """Give every ``Transformer`` in ``module`` (a pipeline stage's too) the ops selective
+    recomputation keeps (``engine.internals.KEPT_BY_SELECTIVE``)."""
+    for m in module.modules():
+        if isinstance(m, Transformer):
+            m.kept_ops = KEPT_BY_SELECTIVE
 
 
 def compile_blocks(module: nn.Module, backend: str) -> int:

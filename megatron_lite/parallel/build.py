@@ -22,7 +22,7 @@ from megatron_lite.distributed.shard_spec import tag
 from megatron_lite.engine.pipeline import loss_scale, pipeline_module
 from megatron_lite.model.flops import parameter_counts
 from megatron_lite.model.transformer import Transformer
-from megatron_lite.parallel.apply import materialize, parallelize
+from megatron_lite.parallel.apply import materialize, parallelize, use_selective_recompute
 from megatron_lite.parallel.stages import keep_stage, stage_layers
 from megatron_lite.parallel.tiling import tile_linears
 
@@ -41,6 +41,7 @@ def build_parallel_model(cfg: ModelConfig, dims: ParallelDims, device: torch.dev
         model = Transformer(cfg)
     tag(model)
     parallelize(model, dims)
+    use_selective_recompute(model)
     tile_linears(model, tile_factor)
     if dims.pipeline == 1:
         return materialize(model, cfg, device, seed, zero_partition, dtype)

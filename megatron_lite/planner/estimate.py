@@ -71,8 +71,8 @@ class Plan:
     nvme: float
     """Offloaded state in NVMe files, per rank."""
     activations: float
-    activations_other: float
-    """Activations with the other ``activation_checkpointing`` setting."""
+    activations_if: dict[str, float]
+    """Activations under each ``activation_checkpointing`` setting (none, full, selective)."""
     output_layer: float
     """The final norm's activations and the loss's working memory (``output_layer_bytes``)."""
     gathered: float
@@ -96,16 +96,23 @@ def largest_gathered(m: ModelConfig, tensor: int, tile_factor: int) -> int:
     return max(block, m.vocab_size * m.d_model // tensor)
 
 
-def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: bool) -> float:
-    """Activation memory of one block for one micro-batch on one rank."""
+def activation_bytes(m: ModelConfig, cfg: Config, dims: ParallelDims, recompute: str) -> float:
+    """Activation memory of one block for one micro-batch on one rank, under
+    ``model.activation_checkpointing`` = ``recompute``."""
     b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / dims.sequence, m.d_model
     t = dims.tensor
     width = 4 if cfg.training.precision == "fp32" else 2
     h_kv = m.kv_heads * m.head_dim
     ffn = m.mlp_hidden
     sp = t if dims.sequence_parallel else 1
-    if recompute:
+    if recompute == "full":
         return width * s * b * h / sp
+    if recompute == "selective":
+        # Kept: the block's input, the outputs of the matrix products (q, k, v, gate, up; o and
+        # down reduced over the tensor ranks) and the attention's output.
+        replicated = 3 * s * b * h / sp
+        split = s * b * (2 * h + 2 * h_kv + (2 if m.activation == "swiglu" else 1) * ffn) / t
+        return width * (replicated + split)
     replicated = 4 * s * b * h / sp
     split = s * b * (2 * h + 2 * h_kv + (3 if m.activation == "swiglu" else 2) * ffn) / t
     return width * (replicated + split)
@@ -190,14 +197,16 @@ def estimate(cfg: Config, model: ModelConfig, world_size: int, gpus_per_node: in
     in_flight = min(dims.pipeline, accum) if dims.pipeline > 1 else 1
     recompute = model.activation_checkpointing
 
-    def acts(rc: bool) -> float:
+    def acts(rc: str) -> float:
         stored = blocks * in_flight * activation_bytes(model, cfg, dims, rc)
         # While a checkpointed block is recomputed its full activations exist once more.
-        return stored + (activation_bytes(model, cfg, dims, False) if rc else 0.0)
+        return stored + (activation_bytes(model, cfg, dims, "none") if rc != "none" else 0.0)
+
+    every = {rc: acts(rc) for rc in ("none", "full", "selective")}
 
     return Plan(dims, model, counts, int(p), blocks, in_flight, weights, grads, optimizer,
                 offloaded["cpu"], offloaded["nvme"],
-                acts(recompute), acts(not recompute), output_layer_bytes(model, cfg, dims), gathered,
+                every[recompute], every, output_layer_bytes(model, cfg, dims), gathered,
                 flops_per_token(model, cfg.data.seq_length),
                 dims.global_batch(cfg) * cfg.data.seq_length, accum)
 

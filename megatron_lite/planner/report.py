@@ -58,13 +58,13 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
         "",
         "memory per device (GB = 10^9 bytes)",
     ]
-    other = "off" if recompute else "on"
     tiles = f" (tiles of 1/{cfg.parallel.tile_factor ** 2})" if cfg.parallel.tile_factor > 1 else ""
     rows = [("weights", plan.weights, ""), ("gradients", plan.grads, ""),
             ("optimizer (master + Adam)", plan.optimizer, "")]
-    rows += [(f"activations (recompute {'on' if recompute else 'off'})", plan.activations,
-              f"{plan.in_flight} micro-batch(es) in flight; recompute {other}: "
-              f"{plan.activations_other / GB:.2f}"),
+    others = "; ".join(f"recompute {rc}: {v / GB:.2f}" for rc, v in plan.activations_if.items()
+                       if rc != recompute)
+    rows += [(f"activations (recompute {recompute})", plan.activations,
+              f"{plan.in_flight} micro-batch(es) in flight; {others}"),
              ("output layer and loss", plan.output_layer, "one micro-batch, at the loss"),
              *([("gathered by ZeRO-3", plan.gathered,
                  "the largest parameter whole, with its gradient" + tiles)]

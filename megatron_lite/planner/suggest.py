@@ -68,11 +68,12 @@ def step_seconds(plan: Plan, cfg: Config, spec: DeviceSpec, gpus_per_node: int,
 
     micro = plan.grad_accumulation  # micro-batches per step on each rank
     blocks = plan.stage_blocks
-    b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / d.ulysses, m.d_model
-    passes = 3 if recompute else 2  # forward, backward, and the recomputed forward
-
+    b, s, h = cfg.training.micro_batch_size, cfg.data.seq_length / d.sequence, m.d_model
+    full = recompute == "full"
+    passes = 3 if full else 2  # forward, backward, and the recomputed forward
+    # (Selective recomputation reruns elementwise ops only: no FLOPs counted.)
     parts = {"compute": plan.flops_per_token * plan.tokens_per_step / (d.world_size * peak * mfu)
-             * (4 / 3 if recompute else 1)}
+             * (4 / 3 if full else 1)}
     parts["pipeline bubble"] = parts["compute"] * (d.pipeline - 1) / micro
     # Tensor parallelism: an all-reduce (or its all-gather + reduce-scatter) of the (b, s, h)
     # activations entering and leaving attention and the MLP, every pass.
@@ -128,7 +129,7 @@ def _layouts(world: int, gpus_per_node: int, m: ModelConfig,
                     if u == 1 and data * t > gpus_per_node:  # more than one node of data ranks
                         zeros.append(("parallel.zero_stage=3", "parallel.hsdp=true"))
                 for zero in zeros:
-                    for rc in ("false", "true"):
+                    for rc in ("none", "selective", "full"):
                         layout = (*base, *zero, f"model.activation_checkpointing={rc}")
                         if not rescue:
                             yield layout

@@ -41,10 +41,12 @@ LAYOUTS = {
                                "parallel.pipeline_partition=type:Block"]),
     "tp2-sp-xpp2xulysses2": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                  "parallel.pipeline=2", "parallel.ulysses=2"]),
-    # Ring attention (context parallelism), alone, with Ulysses (USP) and with tensor and
-    # pipeline parallelism.
+    # Ring attention (context parallelism), alone, with Ulysses (USP; selective recomputation
+    # there, the collectives inside the recomputed blocks), and with tensor and pipeline
+    # parallelism.
     "context2": (2, ["parallel.context=2"]),
-    "context2xulysses2": (4, ["parallel.context=2", "parallel.ulysses=2"]),
+    "context2xulysses2-selective": (4, ["parallel.context=2", "parallel.ulysses=2",
+                                        "model.activation_checkpointing=selective"]),
     "tp2xpp2xcontext2": (8, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.context=2"]),
 }
 

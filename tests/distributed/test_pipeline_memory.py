@@ -2,7 +2,7 @@
 over a training step, for Llama 3's 128K vocabulary, is within 10% of one process's (whose
 model/loss.py never builds the full logits). Full fp32 logits of the step's 1,024 tokens alone
 would be 525 MB, about twice the whole one-process peak. Context parallelism halves a long
-sequence's activations."""
+sequence's activations; selective recomputation keeps less than none."""
 
 from __future__ import annotations
 
@@ -50,3 +50,14 @@ def test_context_parallelism_halves_the_activations_of_a_long_sequence(tmp_path)
     ring, ran = peak(tmp_path / "cp2", 2, [*long, "parallel.context=2"])
     assert ran["ring_attention"] == 2 and ran["group_sizes"]["context"] == 2, ran
     assert ring <= 0.6 * single, f"context=2: {ring / 1e6:.1f} MB against one process's {single / 1e6:.1f} MB"
+
+
+def test_selective_recomputation_keeps_less_than_none_and_more_than_full(tmp_path):
+    """A 4-block Llama at sequence 1024: what one step allocates under each
+    ``model.activation_checkpointing`` (the gradients are the same: tests/unit/test_model.py)."""
+    shape = ["data.seq_length=1024", "training.micro_batch_size=2", "training.global_batch_size=2",
+             "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "vocab=512"]
+    got = {rc: peak(tmp_path / rc, 1, [*shape, f"model.activation_checkpointing={rc}"])[0]
+           for rc in ("none", "selective", "full")}
+    megabytes = {k: f"{v / 1e6:.1f} MB" for k, v in got.items()}
+    assert got["full"] < got["selective"] <= 0.8 * got["none"], megabytes

@@ -79,19 +79,32 @@ def test_scaled_init():
     assert down.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("position", ["rope", "learned"])
-def test_activation_checkpointing_gives_same_gradients(position):
-    base = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, d_model=32, max_seq_len=16,
-                       position=position, dropout=0.0)
-    grads = []
-    for ckpt in (False, True):
+def test_activation_checkpointing_gives_same_loss_and_gradients(position, recompute):
+    from megatron_lite.parallel.apply import use_selective_recompute
+
+    base = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, max_seq_len=16,
+                       position=position, dropout=0.1, activation="swiglu", norm="rmsnorm")
+    results = []
+    for ckpt in ("none", recompute):
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(base, activation_checkpointing=ckpt))
+        use_selective_recompute(model)
         tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
-        model(tokens, tokens).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for g0, g1 in zip(*grads, strict=True):
+        loss = model(tokens, tokens)
+        loss.backward()
+        results.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
+    for g0, g1 in zip(*results, strict=True):  # (dropout's masks replayed)
         torch.testing.assert_close(g0, g1)
+
+
+def test_selective_recomputation_needs_the_ops_it_keeps():
+    cfg = ModelConfig(vocab_size=50, n_layers=1, n_heads=2, d_model=16, max_seq_len=8,
+                      activation_checkpointing="selective")
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="use_selective_recompute"):
+        build_model(cfg)(tokens, tokens)
 
 
 def test_tied_embeddings_share_storage():
@@ -120,7 +133,7 @@ def test_mfu_by_hand():
     assert round(mfu(150_000, fpt, peak), 4) == 0.4112  # 855,383,040 FLOPs per token
     assert mfu(150_000, fpt, None) is None  # CPUs: no peak, no MFU
     # Recompute is not model FLOPs: checkpointing leaves the count unchanged.
-    assert flops_per_token(dataclasses.replace(cfg, activation_checkpointing=True), T) == fpt
+    assert flops_per_token(dataclasses.replace(cfg, activation_checkpointing="full"), T) == fpt
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -119,7 +119,12 @@ def test_activations_by_hand():
     plan = estimate(cfg, model, 4, 4)
     assert plan.activations == 32 * per_block
     # Recompute keeps each block's input (2·s·h bytes) plus one block's full set.
-    assert plan.activations_other == 32 * 2 * 4096 * 4096 + per_block
+    assert plan.activations_if["full"] == 32 * 2 * 4096 * 4096 + per_block
+    # Selective keeps the input, the matrix products' and attention's outputs:
+    # 2 bytes · (3·s·h + s·(2h + 2h_kv + 2F)), plus one block's full set while recomputing.
+    selective = 2 * (3 * 4096 * 4096 + 4096 * (2 * 4096 + 2 * 4096 + 2 * 11008))
+    assert plan.activations_if["selective"] == 32 * selective + per_block
+    assert plan.activations_if["none"] == plan.activations
     sp, _ = _cfg("llama2-7b.yaml", "model.activation_checkpointing=false", "parallel.tensor=4",
                  "parallel.sequence_parallel=true")
     assert estimate(sp, model, 4, 4).activations == 32 * per_block / 4
