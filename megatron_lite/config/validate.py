@@ -285,10 +285,6 @@ def _parallel_problems(cfg: Config) -> list[str]:
         out.append(f"'parallel.zero_stage' = {p.zero_stage} with 'parallel.pipeline' = {p.pipeline}: "
                    "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only; set "
                    "parallel.zero_stage=1")
-    if p.hsdp and p.context > 1:
-        out.append(f"'parallel.hsdp' = true with 'parallel.context' = {p.context}: not in this "
-                   "version (as with parallel.ulysses: a context group shares one ZeRO partition "
-                   "with its data ranks); use parallel.zero_stage=3 without HSDP")
     if p.hsdp and p.ulysses > 1:
         out.append(f"'parallel.hsdp' = true with 'parallel.ulysses' = {p.ulysses}: not in this "
                    "version (HSDP's shard and replica groups are cut from the data-parallel ranks, "

@@ -131,6 +131,18 @@ class ParallelDims:
             replicas += [list(column) for column in zip(*runs, strict=True)]
         return shards, replicas
 
+    def hsdp_sequence_shard_ranks(self) -> list[list[int]]:
+        """HSDP with sequence ranks (context, Ulysses): the ranks ZeRO-3 partitions over, one
+        shard group's data ranks with every sequence rank of each (DeepSpeed's sequence-data
+        group under HSDP). Without sequence ranks these are the shard groups."""
+        groups = []
+        for ranks in self.group_ranks(("ulysses", "context", "data")):
+            by_replica: dict[int, list[int]] = {}
+            for r in ranks:
+                by_replica.setdefault(self.coordinate("data", r) // self.hsdp_shard_size, []).append(r)
+            groups += by_replica.values()
+        return groups
+
     def group_ranks(self, axes: tuple[str, ...]) -> list[list[int]]:
         """All groups of ranks that differ only along ``axes`` (each sorted)."""
         by_key: dict[tuple[int, ...], list[int]] = {}
@@ -152,7 +164,9 @@ class ParallelDims:
                 if self.rank in ranks:
                     self.groups[name] = group
         if self.hsdp_shard_size:
-            for name, all_ranks in zip(("shard", "replica"), self.hsdp_group_ranks(), strict=True):
+            shards, replicas = self.hsdp_group_ranks()
+            for name, all_ranks in (("shard", shards), ("replica", replicas),
+                                    ("sequence_shard", self.hsdp_sequence_shard_ranks())):
                 for ranks in all_ranks:
                     group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
@@ -214,7 +228,7 @@ class ParallelDims:
         shard = 0
         if p.hsdp:
             # Default: the data-parallel ranks of one node (its other ranks are tensor peers).
-            shard = p.hsdp_shard_size or max(1, local_world_size // (p.tensor * p.ulysses))
+            shard = p.hsdp_shard_size or max(1, local_world_size // (p.tensor * p.ulysses * p.context))
             if shard < 1 or dp % shard:
                 problems.append(f"parallel.hsdp_shard_size={shard} must divide the {dp} "
                                 "data-parallel ranks (default: the ranks of one node)")

@@ -53,6 +53,8 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
         # under Megatron sequence parallelism each holds its own slice of the sequence.
         generated["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     zero = generated["zero_optimization"]
+    if sums_over_sequence_by_loss(cfg, dims):
+        zero["reduce_scatter"] = True  # the path sequence_gradient_factor is right for
     for key, where in (("offload_optimizer", cfg.parallel.offload_optimizer),
                        ("offload_param", cfg.parallel.offload_params)):
         if where != "none":
@@ -85,7 +87,26 @@ def _owned_values(cfg: Config, dims: ParallelDims) -> dict[str, tuple[Any, str]]
                                                        "parallel.offload_optimizer"),
         "zero_optimization.offload_param.device": (cfg.parallel.offload_params, "parallel.offload_params"),
     }
+    if sums_over_sequence_by_loss(cfg, dims):
+        owned["zero_optimization.reduce_scatter"] = (
+            True, "ZeRO-3 with parallel.ulysses / parallel.context (sequence_gradient_factor)")
     return owned
+
+
+def sums_over_sequence_by_loss(cfg: Config, dims: ParallelDims) -> bool:
+    """Whether the trainer multiplies the loss by the sequence ranks before backward
+    (``sequence_gradient_factor``)."""
+    return cfg.parallel.deepspeed_zero_stage == 3 and dims.sequence > 1 and dims.pipeline == 1
+
+
+def sequence_gradient_factor(cfg: Config, dims: ParallelDims) -> float:
+    """What the training loss is multiplied by before DeepSpeed's backward. A sequence rank's
+    gradient is its slice's share, to be summed over the sequence (Ulysses × context) ranks and
+    averaged over the data ranks: DeepSpeed's all-reduce and ZeRO 1/2 divide by the data ranks
+    alone, but ZeRO-3's reduce-scatter (``reduce_scatter: true``, its default and the only path
+    it takes for every bucket) divides by data × sequence ranks, which would leave the
+    gradients 1/sequence of the one-process ones (and the reported norm with them)."""
+    return float(dims.sequence) if sums_over_sequence_by_loss(cfg, dims) else 1.0
 
 
 def _contradictions(cfg: Config, dims: ParallelDims, extra: dict) -> list[str]:

@@ -9,26 +9,31 @@ class ModelParallelUnit:
     """The ``mpu`` interface DeepSpeed's engine queries (Megatron's names). Used without
     pipeline parallelism; the pipeline engine builds its own from the same rank order.
 
-    Under HSDP, DeepSpeed's data-parallel world is the shard group: ZeRO-3 shards, gathers and
-    reduces gradients there and knows nothing of the replicas, whose gradient average
-    ``StepRunner`` adds (one all-reduce of each rank's gradient shard over its replica group).
+    Under HSDP, DeepSpeed's data-parallel world is the shard group, and its sequence-data world
+    the shard group's ranks with their sequence ranks (``sequence_shard``): ZeRO-3 shards,
+    gathers and reduces gradients there and knows nothing of the replicas, whose gradient
+    average ``StepRunner`` adds (one all-reduce of each rank's gradient shard over its replica
+    group).
     """
 
     def __init__(self, dims: ParallelDims):
         self.dims = dims
-        # HSDP holds no sequence ranks (config validation), so data and data × sequence coincide.
-        self._deepspeed_data = "shard" if dims.hsdp_shard_size else None
+        self._hsdp = bool(dims.hsdp_shard_size)
 
     def _size(self, name: str) -> int:
         d = self.dims
-        if self._deepspeed_data and name in ("data", "sequence_data"):
-            return d.deepspeed_data
+        if self._hsdp and name == "data":
+            return d.hsdp_shard_size
+        if self._hsdp and name == "sequence_data":
+            return d.hsdp_shard_size * d.sequence
         return {"sequence_data": d.data * d.sequence}.get(name) or d.size(name)
 
     def _rank(self, name: str) -> int:
         d = self.dims
-        if self._deepspeed_data and name in ("data", "sequence_data"):
+        if self._hsdp and name == "data":
             return d.shard_rank
+        if self._hsdp and name == "sequence_data":
+            return d.shard_rank * d.sequence + d.sequence_rank
         if name == "sequence_data":
             return d.dp_rank * d.sequence + d.sequence_rank
         if name == "sequence":
@@ -36,8 +41,8 @@ class ModelParallelUnit:
         return d.coordinate(name)
 
     def _group(self, name: str):
-        if self._deepspeed_data and name in ("data", "sequence_data"):
-            name = self._deepspeed_data
+        if self._hsdp:
+            name = {"data": "shard", "sequence_data": "sequence_shard"}.get(name, name)
         return self.dims.group(name)
 
     # tensor (= model) parallel

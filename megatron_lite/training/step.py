@@ -40,7 +40,7 @@ from megatron_lite.distributed import collectives
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals as ds
-from megatron_lite.engine.config import trainer_clips_gradients
+from megatron_lite.engine.config import sequence_gradient_factor, trainer_clips_gradients
 from megatron_lite.engine.pipeline import loss_scale
 from megatron_lite.parallel.ring import sequence_positions
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
@@ -103,6 +103,8 @@ class StepRunner:
         self.pipelined = dims.pipeline > 1
         # The factor the pipeline's training losses carry (the pipeline module was built with it).
         self.train_scale = loss_scale(dims, grad_accum) if self.pipelined else 1.0
+        # Without a pipeline the factor goes on the loss given to backward alone.
+        self.backward_scale = sequence_gradient_factor(cfg, dims)
         self.own_clipping = trainer_clips_gradients(cfg) and not self.pipelined
         # Taken once: walking the module's parameters costs as much per step as a small model's
         # optimizer update (the parameters are fixed once the engine is built).
@@ -254,7 +256,7 @@ class StepRunner:
             clock.mark("forward")
             loss = engine(inputs, targets)
             clock.mark("backward")
-            engine.backward(loss)
+            engine.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
             self.graph_break()
             loss_sum += loss.detach().float()
             clock.mark("optimizer")

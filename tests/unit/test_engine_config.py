@@ -51,6 +51,24 @@ def test_a_deepspeed_block_that_contradicts_the_recipe_is_refused_with_every_key
         assert part in text, (part, text)
 
 
+def test_zero3_over_sequence_ranks_keeps_the_reduce_scatter_its_loss_factor_is_for():
+    from megatron_lite.engine.config import sequence_gradient_factor
+
+    base = ["training.micro_batch_size=2", "training.global_batch_size=8", "parallel.zero_stage=3"]
+    cfg = load_config(RECIPE, [*base, "parallel.context=2"])
+    dims = ParallelDims.plan(cfg, world_size=4)
+    assert deepspeed_config(cfg, dims)["zero_optimization"]["reduce_scatter"] is True
+    assert sequence_gradient_factor(cfg, dims) == 2.0
+    off = load_config(RECIPE, [*base, "parallel.context=2",
+                               "deepspeed.zero_optimization.reduce_scatter=false"])
+    with pytest.raises(ValueError, match="zero_optimization.reduce_scatter"):
+        deepspeed_config(off, ParallelDims.plan(off, world_size=4))
+    # ZeRO 1/2 divide by the data ranks alone; without sequence ranks nothing to sum.
+    for overrides, world in ((["parallel.zero_stage=1", "parallel.context=2"], 4), ([], 2)):
+        other = load_config(RECIPE, [*base, *overrides])
+        assert sequence_gradient_factor(other, ParallelDims.plan(other, world_size=world)) == 1.0
+
+
 def test_a_deepspeed_section_that_is_not_a_mapping_is_named_not_merged():
     """Config loading refuses it (tests/e2e/test_pretrain_cli.py); a Config built around the
     loader gets the same answer here instead of a ZeRO-3 recipe merged down to stage 0."""

@@ -146,7 +146,6 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
      "'data.seq_length' = 40 must be divisible by 2 × 'parallel.context' × 'parallel.ulysses' × "
      "'parallel.tensor' = 16"),
     (["parallel.context=2", "model.dropout=0.1"], "ring attention has no attention dropout"),
-    (["parallel.hsdp=true", "parallel.context=2"], "'parallel.hsdp' = true with 'parallel.context' = 2"),
     (["parallel.context=0"], "'parallel.context' = 0 must be at least 1"),
     (["parallel.offload_optimizer=cpu"], "needs 'parallel.zero_stage' 1, 2 or 3"),
     (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "offload_params' = cpu needs ZeRO-3"),
