@@ -127,9 +127,10 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
-        # The gradient of the keys and values held, accumulated by each rank they visit; after
-        # the last step the exchange brings each rank its own.
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        # The gradient of the keys and values held travels with them, each rank adding its
+        # blocks' share; the next block is computed while it is in flight, and after the last
+        # step the exchange brings each rank its own.
+        dkv_wait = None
         for step in range(size):
             wait = collectives.ring_exchange_start(kv, group) if step < size - 1 else None
             rows, cols, causal = _block(step, rank, size, half)
@@ -138,9 +139,12 @@ class _RingAttention(torch.autograd.Function):
                 _heads(kv[1][:, :, cols], repeat), out[:, :, rows], lse[:, :, rows].contiguous(), causal,
                 ctx.extras[step])
             dq[:, :, rows] += dq_b.float()
+            # The partial sums for the keys held now (the previous rank's, sent after its block).
+            dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_wait is None else dkv_wait()
             dkv[0][:, :, cols] += _kv_heads(dk_b.float(), repeat)
             dkv[1][:, :, cols] += _kv_heads(dv_b.float(), repeat)
-            dkv = collectives.ring_exchange(dkv, group)
+            dkv_wait = collectives.ring_exchange_start(dkv, group)
             if wait is not None:
                 kv = wait()
+        dkv = dkv_wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

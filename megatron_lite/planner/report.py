@@ -70,16 +70,16 @@ def plan_report(cfg: Config, world_size: int, gpus_per_node: int, device: str,
                  "the largest parameter whole, with its gradient" + tiles)]
                if plan.gathered else []),
              ("total", plan.total, f"of {spec.memory_gb:g}")]
-    lines += [f"  {label:<30} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
+    lines += [f"  {label:<34} {value / GB:8.2f}   {extra}".rstrip() for label, value, extra in rows]
     host_gb = host_memory_gb or spec.host_memory_gb
     node_host = host_per_node(plan, gpus_per_node)
     if plan.host or plan.nvme:
         lines += ["", "offloaded (ZeRO-Offload), per device and per node"]
         if plan.host:
-            lines.append(f"  {'host memory':<30} {plan.host / GB:8.2f}   {node_host / GB:.2f} per node "
+            lines.append(f"  {'host memory':<34} {plan.host / GB:8.2f}   {node_host / GB:.2f} per node "
                          f"of {host_gb:g}")
         if plan.nvme:
-            lines.append(f"  {'NVMe files':<30} {plan.nvme / GB:8.2f}   "
+            lines.append(f"  {'NVMe files':<34} {plan.nvme / GB:8.2f}   "
                          f"{plan.nvme * min(gpus_per_node, world_size) / GB:.2f} per node")
     lines.append("")
     seconds, tokens = step_time(plan, spec, t.precision, mfu)

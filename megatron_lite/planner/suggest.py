@@ -1,19 +1,22 @@
 """``--plan --suggest``: the layouts that fit a model on an allocation, fastest first.
 
 Every layout of the recipe's model on ``world_size`` devices is tried: tensor and Ulysses sizes
-within a node (their collectives run every layer), pipeline stages across nodes, the rest data
-parallel with ZeRO-1, 2, 3 or HSDP (ZeRO-3 within a node), each with and without activation
-checkpointing; offload and tiling only when nothing fits without them (they cost speed). The
-recipe's own checks (``config.validate``) and the world-size checks (``ParallelDims.plan``)
-drop impossible ones; the memory estimate (``estimate``) drops those that do not fit
-(``fits``, with 15% kept free for framework buffers).
+within a node (their collectives run every layer), ring attention (``parallel.context``) and
+pipeline stages across nodes, the rest data parallel with ZeRO-1, 2, 3 or HSDP (ZeRO-3 within
+a node), each with no, selective and full activation checkpointing; offload and tiling only
+when nothing fits without them (they cost speed). The recipe's own checks
+(``config.validate``) and the world-size checks (``ParallelDims.plan``) drop impossible ones;
+the memory estimate (``estimate``) drops those that do not fit (``fits``, with 15% kept free
+for framework buffers).
 
 The rest are ranked by a predicted step time (``step_seconds``): the model FLOPs at the given MFU
-(4/3 of them with recomputation), plus the pipeline bubble, plus every collective at the
+(4/3 of them with full recomputation), plus the pipeline bubble, plus every collective at the
 device table's bandwidths (within a node or across nodes, by where the group's ranks sit in
-the rank order), none of it assumed hidden behind compute. Ring collectives move
-``2 (n - 1) / n`` of the bytes (all-reduce) or ``(n - 1) / n`` (all-gather, reduce-scatter,
-all-to-all). The numbers rank layouts against each other; measure the winner.
+the rank order), none of it assumed hidden behind compute except ring attention's transfers,
+each of which runs beside one block of attention: only what the block does not cover counts.
+Ring collectives move ``2 (n - 1) / n`` of the bytes (all-reduce) or ``(n - 1) / n``
+(all-gather, reduce-scatter, all-to-all). The numbers rank layouts against each other; measure
+the winner.
 """
 
 from __future__ import annotations
@@ -82,18 +85,32 @@ def step_seconds(plan: Plan, cfg: Config, spec: DeviceSpec, gpus_per_node: int,
     # Ulysses: all-to-alls of q, k, v and the output per pass (this rank's heads).
     sp_bytes = 4 * passes * b * s * h / d.tensor * width * _ring(d.ulysses)
     parts["ulysses"] = blocks * micro * sp_bytes / bandwidth(d.tensor * d.ulysses)
+    # Ring attention: this rank's keys and values (its KV heads) pass context − 1 times per
+    # forward, each beside a block of attention (half a block's query-key pairs under the
+    # causal balance); backward passes them again, and their fp32 gradients context times,
+    # each beside a block's backward (twice the compute) but the last.
+    if d.context > 1:
+        heads = d.tensor * d.ulysses
+        piece = cfg.data.seq_length / d.context  # the tokens a context rank attends for
+        kv = 2 * b * piece * m.kv_heads * m.head_dim / heads
+        link = bandwidth(heads * d.context)
+        block = 4 * b * piece * piece / 2 * m.n_heads * m.head_dim / heads / (peak * mfu)
+        forward = (d.context - 1) * max(0.0, kv * width / link - block)
+        exposed = max(0.0, kv * width / link - 2 * block) + max(0.0, kv * 4 / link - 2 * block)
+        backward = (d.context - 1) * exposed + kv * 4 / link
+        parts["context"] = blocks * micro * ((2 if full else 1) * forward + backward)
     # Pipeline: activations forward and their gradients back, per micro-batch and boundary.
     if d.pipeline > 1:
         boundary = 2 * b * s * h * width / (d.tensor if d.sequence_parallel else 1)
         parts["pipeline"] = micro * boundary / bandwidth(d.world_size // d.pipeline + 1)
-    # Data parallelism over data × ulysses ranks (each holds a share of the gradient).
+    # Data parallelism over data × sequence ranks (each holds a share of the gradient).
     grad_bytes = plan.stage_parameters * width
-    ranks = d.data * d.ulysses
+    ranks = d.data * d.sequence
     span = d.tensor * ranks
     stage = p.deepspeed_zero_stage
     if d.hsdp_shard_size:
         shard = d.hsdp_shard_size
-        shard_span = d.tensor * d.ulysses * shard
+        shard_span = d.tensor * d.sequence * shard
         parts["data"] = (grad_bytes * _ring(shard) / bandwidth(shard_span)
                          + grad_bytes / shard * _ring(d.hsdp_replicas, all_reduce=True) / bandwidth(span))
         parts["zero-3 gathers"] = passes * grad_bytes * _ring(shard) / bandwidth(shard_span)
@@ -117,16 +134,17 @@ def _layouts(world: int, gpus_per_node: int, m: ModelConfig,
     """Recipe overrides of every layout worth trying; ``rescue``: only offload and tiling."""
     powers = [1, 2, 4, 8, 16, 32, 64, 128]
     for t in (x for x in powers if x <= gpus_per_node and gpus_per_node % x == 0):
-        for u in (x for x in powers if t * x <= gpus_per_node):
-            for pp in (x for x in powers if x <= m.n_layers and world % (t * u * x) == 0):
-                base = (f"parallel.tensor={t}", f"parallel.ulysses={u}", f"parallel.pipeline={pp}",
+        for u, c, pp in ((u, c, pp) for u in powers if t * u <= gpus_per_node for c in powers
+                         for pp in powers if pp <= m.n_layers and world % (t * u * c * pp) == 0):
+                base = (f"parallel.tensor={t}", f"parallel.ulysses={u}", f"parallel.context={c}",
+                        f"parallel.pipeline={pp}",
                         f"parallel.sequence_parallel={'true' if t > 1 else 'false'}")
-                data = world // (t * u * pp)
+                data = world // (t * u * c * pp)
                 if pp > 1:
                     zeros = [("parallel.zero_stage=1", "parallel.hsdp=false")]
                 else:
                     zeros = [(f"parallel.zero_stage={z}", "parallel.hsdp=false") for z in (1, 2, 3)]
-                    if u == 1 and data * t > gpus_per_node:  # more than one node of data ranks
+                    if u == 1 and data * t * c > gpus_per_node:  # more than one node of data ranks
                         zeros.append(("parallel.zero_stage=3", "parallel.hsdp=true"))
                 for zero in zeros:
                     for rc in ("none", "selective", "full"):

@@ -271,7 +271,7 @@ def test_tiling_shrinks_what_zero3_gathers_by_hand():
     cfg, _ = _cfg("llama2-7b.yaml", *big, "parallel.tile_factor=8")
     lines, ok = plan_report(cfg, 512, 4, "A100-40GB", 0.4)
     text = "\n".join(lines)
-    assert ok and "gathered by ZeRO-3                 0.54" in text and "(tiles of 1/64)" in text
+    assert ok and f"{'gathered by ZeRO-3':<34} {0.54:8.2f}" in text and "(tiles of 1/64)" in text
 
 
 def test_suggested_step_time_by_hand():
@@ -304,10 +304,31 @@ def test_suggest_ranks_the_layouts_that_fit():
     layouts = {s.overrides for s in found}
     # Plain data parallelism with ZeRO-1 holds 2 + 2 + 12/8 bytes per parameter: 37 GB, no fit.
     assert not any("parallel.zero_stage=1" in o and "parallel.tensor=1" in o and "parallel.ulysses=1" in o
-                   and "parallel.pipeline=1" in o for o in layouts)
+                   and "parallel.context=1" in o and "parallel.pipeline=1" in o for o in layouts)
     # On one A100-80GB the 7B model fits only with the optimizer state in host memory.
     alone = suggest(cfg, None, 1, 1, DEVICES["A100-80GB"], 0.4)
     assert alone and all("parallel.offload_optimizer=cpu" in s.overrides for s in alone)
+
+
+def test_a_64k_context_is_split_and_the_ring_costs_only_what_attention_does_not_hide():
+    from megatron_lite.planner.suggest import step_seconds, suggest
+
+    cfg, model = _cfg("llama3-8b-64k-polaris.yaml")
+    spec = DEVICES["A100-40GB"]
+    found = suggest(cfg, None, 16, 4, spec, 0.4)
+    # Every layout that fits 65,536 tokens splits the sequence; the fastest uses the ring.
+    assert found and all("parallel.ulysses=1" not in s.overrides or "parallel.context=1" not in s.overrides
+                         for s in found)
+    assert "parallel.context=1" not in found[0].overrides
+    # The recipe's own layout (tensor 2, Ulysses 2, context 4 across 4 nodes): a context rank
+    # attends for 16,384 tokens with 8/4 KV heads of 128, its keys and values 2·16,384·256 bf16
+    # values = 16.8 MB a transfer at 12.5 GB/s (1.3 ms), beside a block of 4·16,384²/2·32·128/4
+    # FLOPs (4.4 ms at 40% of 312 TFLOP/s): hidden forward and backward. Exposed: the last fp32
+    # gradient transfer of each block's backward (2.7 ms), 32 blocks × 64 micro-batches.
+    plan = estimate(cfg, model, 16, 4)
+    _, parts = step_seconds(plan, cfg, spec, 4, 0.4)
+    kv = 2 * 16_384 * 8 * 128 / 4
+    assert parts["context"] == pytest.approx(32 * 64 * kv * 4 / 12.5e9, rel=1e-12)
 
 
 def test_plan_suggest_on_the_command_line():
