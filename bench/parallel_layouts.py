@@ -42,6 +42,7 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tensor=2"]),
     "tp2-sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     "ulysses2": (2, ["parallel.ulysses=2"]),
+    "context2": (2, ["parallel.context=2"]),
     "pp2": (2, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
     "dp2-zero0": (2, []),
     "dp2-zero1": (2, ["parallel.zero_stage=1"]),
@@ -76,6 +77,10 @@ def theoretical(layout: str, micro_batches: int) -> dict[str, int]:
         # Between the two shard groups: one all-reduce of each rank's gradient shard over its
         # replica group; everything else of ZeRO-3 stays in the shard group.
         return {"replica all_reduce": 1}
+    if layout == "context2":
+        # Ring attention on 2 ranks, per layer: forward one exchange of keys and values, backward
+        # one more and two of their gradients; each exchange one isend and one irecv.
+        return {"context p2p isend": m * 4 * L, "context p2p irecv": m * 4 * L}
     if layout == "ulysses2":
         # q, k, v and the output: four all-to-alls per layer forward, four backward; the loss's
         # sum over the sequence slices, and (same two ranks here) the gradient all-reduce.
@@ -105,10 +110,12 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
         def wrapper(*args, **kwargs):
             if counting[0] and not inside[0]:
                 group = kwargs.get("group")
+                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
                 if op in ("send", "recv", "isend", "irecv"):
-                    kind = "pipeline p2p"
+                    # Ring attention passes its group (batch_isend_irecv); DeepSpeed's pipeline
+                    # sends without one.
+                    kind = f"{names[ranks]} p2p" if ranks in names else "pipeline p2p"
                 else:
-                    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
                     kind = host_groups.get(id(group)) or names.get(ranks, "world" if group is None
                                                                    else f"ranks{list(ranks)}")
                     group_ranks[kind] = list(ranks or range(dist.get_world_size()))
@@ -139,7 +146,8 @@ def worker(out: str, steps: int, warmup: int, layout: str, overrides: list[str])
 
     cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [*MODEL, *overrides])
     dims, acc = init_distributed(cfg, detect())
-    for label, axes in [("tensor", ("tensor",)), ("ulysses", ("ulysses",)), ("pipeline", ("pipeline",)),
+    for label, axes in [("tensor", ("tensor",)), ("ulysses", ("ulysses",)), ("context", ("context",)),
+                        ("pipeline", ("pipeline",)),
                         ("data", ("data",)), ("data+ulysses", ("ulysses", "data")),
                         ("tensor+pipeline", ("tensor", "pipeline"))]:
         for ranks in dims.group_ranks(axes):

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"written and verified; {PENDING} means this rank's part is committed and other "
                         "parts are still missing")
     p.add_argument("--overwrite", action="store_true",
-                   help="one process: replace datasets already at the output prefix")
+                   help="replace datasets already at the output prefix (several ranks: give it to each)")
     args = p.parse_args(argv)
     if args.output_prefix.endswith(("/", "\\")) or Path(args.output_prefix).is_dir():
         p.error(f"--output-prefix {args.output_prefix} is a directory; give a name in it "
@@ -89,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = launched.rank if args.rank is None else args.rank
     world = launched.world_size if args.world_size is None else args.world_size
     wait = args.wait if args.wait is not None else (0.0 if by_hand else LAUNCHED_WAIT_S)
-    # One process replacing a dataset is refused by default: training runs built on it would
-    # change under them. (Several ranks keep their own rules: parts signed with their inputs.)
+    # Replacing a dataset is refused by default: training runs built on it would change under
+    # them. Under several ranks the merged dataset appears only once every rank's part is in,
+    # so one already there when a rank starts is another run's.
     existing = [f"{args.output_prefix}_{key}_document" for key in args.json_keys
                 if dataset_exists(f"{args.output_prefix}_{key}_document")]
-    if world == 1 and existing and not args.overwrite:
-        print(f"error: {existing[0]}.bin/.idx exists; give another --output-prefix, or --overwrite "
+    if existing and not args.overwrite:
+        every = "" if world == 1 else " (given to every rank)"
+        print(f"error: {existing[0]}.bin/.idx exists; give another --output-prefix, or --overwrite{every} "
               "to replace it", file=sys.stderr)
         return 2
     try:

@@ -51,6 +51,19 @@ def exit_process(status: int) -> NoReturn:
     os._exit(status)
 
 
+def hold_signals() -> None:
+    """Ignore the stop signals from here on (the main thread's handlers; elsewhere none are
+    ours): the process is about to print its outcome and exit."""
+    import signal
+    import threading
+
+    from megatron_lite.training.control import SIGNALS
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
                          on_record: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Run ``cfg`` to the end; 0 when it finished as asked, otherwise non-zero after printing
@@ -83,7 +96,12 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
 
     stop_on_signals()
     try:
-        run(cfg, env, on_record)
+        try:
+            run(cfg, env, on_record)
+        finally:
+            # The outcome is decided: the SIGTERM a launcher sends every rank once one has failed
+            # must not cut this rank's reason short (a traceback instead of the line).
+            hold_signals()
     except Stopped as e:
         return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)

@@ -126,6 +126,25 @@ def _written(tmp_path) -> bytes:
     return b"".join((tmp_path / "out" / f"o_text_document{s}").read_bytes() for s in (".bin", ".idx"))
 
 
+def test_ranks_refuse_a_dataset_already_at_the_output_unless_each_is_told_to_replace_it(corpus):
+    """A merged dataset appears only once every rank's part is in: one there when a rank starts
+    is another run's, kept as one process keeps it (it was silently replaced)."""
+    (corpus / "out").mkdir()
+    for suffix in (".bin", ".idx"):
+        (corpus / "out" / f"o_text_document{suffix}").write_bytes(
+            (corpus / "chars.json").read_bytes())  # any bytes: it is not read, only kept
+    before = _written(corpus)
+    for rank in (0, 1):
+        proc = _preprocess_cli(corpus, "--rank", str(rank), "--world-size", "2")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip() == (f"error: {corpus}/out/o_text_document.bin/.idx exists; give another "
+                                       "--output-prefix, or --overwrite (given to every rank) to replace it")
+    assert _written(corpus) == before and not list((corpus / "out").glob("o.part-*"))
+    assert _preprocess_cli(corpus, "--rank", "0", "--world-size", "2", "--overwrite").returncode == 3
+    assert _preprocess_cli(corpus, "--rank", "1", "--world-size", "2", "--overwrite").returncode == 0
+    assert _written(corpus) == _single_process_bytes(corpus)
+
+
 def test_a_part_from_another_tokenizer_is_never_merged(corpus):
     first = _preprocess_cli(corpus, "--rank", "0", "--world-size", "2")
     # One rank alone: its part is committed, the dataset is not written yet -- not a success.

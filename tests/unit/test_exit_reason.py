@@ -1,0 +1,43 @@
+"""A run's last words survive the launcher: once one rank has failed, torchrun and mpiexec send
+SIGTERM to every other rank; a rank printing its own reason at that moment still prints it (a
+traceback ending in 'Stopped: SIGTERM' stood in its place) and exits with the run's status."""
+
+import os
+import signal
+
+import pytest
+
+from megatron_lite.config import load_config
+from megatron_lite.distributed.launcher_env import LaunchEnv
+from megatron_lite.training import entry
+from megatron_lite.training.control import SIGNALS
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_sigterm_while_the_reason_is_printed_does_not_replace_it(monkeypatch, restore_signal_handlers):
+    import megatron_lite.training.run as run_module
+
+    def failing_run(cfg, env, on_record):
+        raise ValueError("rank 1 failed during opening the dataset")
+
+    printed = []
+
+    def emit_then_terminated(line, stream):
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher, reacting to the other rank's exit
+        printed.append(line)
+
+    monkeypatch.setattr(run_module, "run", failing_run)
+    monkeypatch.setattr(entry, "emit_line", emit_then_terminated)
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [])
+    env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="127.0.0.1",
+                    master_port=29500, launcher="torchrun")
+    assert entry.train_to_exit_status(cfg, env) == 1
+    assert printed == ["error: rank 1 failed during opening the dataset"]
