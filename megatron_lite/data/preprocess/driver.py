@@ -53,7 +53,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, options: PreprocessOpt
     finished by then. The summary is the whole dataset's where known, else this rank's. A run
     that would write no document raises, naming the keys its records have."""
     if not 0 <= rank < world:
-        raise PreprocessError(f"rank {rank} is not in 0..{world - 1} (world size {world})")
+        raise PreprocessError(f"rank {rank} is not in 0..{world - 1} (world size {world}): give every rank "
+                              "the number of ranks sharing the input (--world-size)")
     paths = expand_inputs(inputs)
     tokenizer = load_tokenizer(options.tokenizer_type, options.tokenizer_model)
     if world == 1:

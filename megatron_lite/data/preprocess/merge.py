@@ -217,7 +217,8 @@ def finish(output_prefix: str, keys: Sequence[str], rank: int, world: int, sig: 
                     raise RanksError(
                         f"part {r} of {world} ({marker(output_prefix, r, world)}) was written with other "
                         f"{differences(fields, m.get('fields'))}; it is never merged with this one: "
-                        f"rerun rank {r} with the same inputs and options (--rank {r} --world-size {world})")
+                        f"rerun rank {r} with this rank's inputs and options (--rank {r} --world-size "
+                        f"{world}), or this rank with part {r}'s")
                 raise PartsPending(
                     f"rank {rank} of {world}: part committed; the dataset is written when part(s) "
                     f"{', '.join(map(str, missing))} are: run "
