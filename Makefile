@@ -16,6 +16,9 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
+	@# The package's bytecode, once: an editable install compiles none, and an environment that
+	@# sets PYTHONDONTWRITEBYTECODE has every process (every rank) compile it again.
+	$(PY) -m compileall -q megatron_lite tools bench tests pretrain.py > /dev/null
 	@# DeepSpeed's CPU communication op, built now rather than inside the first run (or test).
 	[ "$(DS_ACCELERATOR)" != cpu ] || $(PY) -c "from megatron_lite.distributed.cpu_extensions import build; build()" \
 		|| echo "warning: DeepSpeed's CPU communication op did not build; the first run builds it"

@@ -48,9 +48,9 @@ LAYOUTS = {
     "context2xulysses2-selective": (4, ["parallel.context=2", "parallel.ulysses=2",
                                         "model.activation_checkpointing=selective"]),
     "tp2xpp2xcontext2": (8, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.context=2"]),
-    # HSDP over context ranks: ZeRO-3 over each shard group's data and context ranks, its
-    # replica averaging the gradient shards.
-    "hsdp-2x2xcontext2": (8, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2", "parallel.context=2"]),
+    # HSDP over context ranks: ZeRO-3 over each shard group's data and context ranks (the
+    # replicas' averaging is hsdp-2x2's).
+    "hsdp-2xcontext2": (4, ["parallel.hsdp=true", "parallel.hsdp_shard_size=2", "parallel.context=2"]),
     # ZeRO-3 over sequence ranks: its reduce-scatter averages where the sequence slices must be
     # summed (engine.config.sequence_gradient_factor).
     "ulysses2-zero3": (2, ["parallel.ulysses=2", "parallel.zero_stage=3"]),
