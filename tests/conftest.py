@@ -34,7 +34,11 @@ os.environ["PATH"] = os.pathsep.join([VENV_BIN, os.environ.get("PATH", "")])
 # Every process the tests start runs torch.distributed with accelerator semantics
 # (tests/dist_harness/checks.py): its sitecustomize.py is found first on PYTHONPATH.
 HARNESS = REPO / "tests" / "dist_harness"
-os.environ["PYTHONPATH"] = os.pathsep.join([str(HARNESS), str(REPO)])
+# The caller's own entries stay after them: where packages come from a path (a module system on
+# a cluster, a folder of wheels on a GPU machine) the tests' processes need them too.
+INHERITED_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                        if p and Path(p).resolve() not in (HARNESS, REPO)]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HARNESS), str(REPO), *INHERITED_PYTHONPATH])
 
 
 def require_shared() -> None:
@@ -46,7 +50,8 @@ def cpu_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_SILENT="true",
-               PYTHONPATH=os.pathsep.join([str(HARNESS), str(REPO)]), TOKENIZERS_PARALLELISM="false")
+               PYTHONPATH=os.pathsep.join([str(HARNESS), str(REPO), *INHERITED_PYTHONPATH]),
+               TOKENIZERS_PARALLELISM="false")
     return env
 
 

@@ -3,6 +3,7 @@ no-ops elsewhere and plug into the same seams the CPU path uses."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.model import build_model
 from megatron_lite.parallel.apply import use_device_kernels
-from tests.conftest import REPO, cpu_env
+from tests.conftest import INHERITED_PYTHONPATH, REPO, cpu_env
 
 DIRECT_CUDA = re.compile(r"torch\.cuda\b|\.cuda\(")
 
@@ -44,12 +45,21 @@ def test_hpu_hooks_are_no_ops_off_hpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="names a CUDA GPU; none here")
-def test_a_cuda_gpu_is_named_and_its_peak_known():
-    acc = devmod.select_accelerator("auto")
-    name = devmod.device_name(acc)
-    assert name == torch.cuda.get_device_name(torch.cuda.current_device())
-    if any(model in name for model in ("A100", "H100", "H200")):
-        assert devmod.peak_flops(name, "bf16") in (312e12, 989e12)
+def test_a_cuda_gpu_is_named_and_its_peak_known(monkeypatch):
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    try:
+        acc = devmod.select_accelerator("auto")
+        name = devmod.device_name(acc)
+        assert name == torch.cuda.get_device_name(torch.cuda.current_device())
+        if any(model in name for model in ("A100", "H100", "H200")):
+            assert devmod.peak_flops(name, "bf16") in (312e12, 989e12)
+    finally:
+        # DeepSpeed keeps the accelerator it selected for the whole process: the later tests'
+        # select_accelerator("cpu") would find this CUDA one and be refused.
+        set_accelerator(CPU_Accelerator())
 
 
 def test_an_attention_kernel_plugs_into_every_attention_core():
@@ -190,7 +200,7 @@ def test_the_recipes_hpu_mode_is_in_the_environment_before_torch_is_imported(tmp
     )
     # Without the test harness's sitecustomize (it imports torch at start-up).
     env = {k: v for k, v in cpu_env().items() if k != "PT_HPU_LAZY_MODE"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *INHERITED_PYTHONPATH])
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert "MODE 0" in out.stdout, out.stdout + out.stderr
