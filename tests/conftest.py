@@ -69,6 +69,17 @@ on every run. The tests that read the events ask for them (test_pretrain_cli,
 test_wandb_continuity)."""
 
 
+def run_worker_script(worker: Path, out: Path, nproc: int, args: list[str]) -> None:
+    """``worker OUT ARGS...`` in one process, or under torchrun on ``nproc`` ranks; fails the
+    test with the end of its output unless every rank exits 0."""
+    cmd = [sys.executable, str(worker), str(out), *args]
+    if nproc > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                    "--master-port", str(_free_port())]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
 def pretrain_command(args: list[str], nproc: int = 1) -> list[str]:
     if not any(a.startswith("logging.tensorboard=") for a in args):
         args = [*args, NO_TENSORBOARD]

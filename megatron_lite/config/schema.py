@@ -119,6 +119,16 @@ class ModelConfig:
     """RMSNorm of every query and key head (one weight of ``head_dim`` each for queries and
     keys) before RoPE, as Qwen3: keeps attention logits from growing, a known cause of loss
     spikes. Exported to transformers as ``Qwen3ForCausalLM``."""
+    attention_mask: str = choice("causal", "document")
+    """``causal``: each token attends to every token before it in its sample. ``document``:
+    only to those of its own document (a document ends at its ``eod_id`` token, which belongs to
+    it), and positions (RoPE or learned) restart at each document's first token: Megatron's
+    ``--reset-attention-mask --reset-position-ids``, torchtitan's block-causal mask. A sample
+    that packs several documents then trains each as if it were alone. Not with
+    ``parallel.pipeline`` > 1 (yet)."""
+    eod_id: Optional[int] = None
+    """The token id that ends each document in the data (for ``attention_mask: document``);
+    null: the tokenizer's end-of-document id."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     init_std: float = 0.02

@@ -310,13 +310,22 @@ def relink_optimizer_state(engine) -> None:
         zero._lazy_init_hp_params_optimizer_state()
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Attention of (B, H, Tq, hd) queries over (B, H, Tk, hd) keys and values (heads already
     matched), with what its backward needs: (out (B, H, Tq, hd), the log-sum-exp of each
     query's scores (B, H, Tq) in fp32, the kernel's own extras). Public SDPA returns no
     log-sum-exp. The CPU's and CUDA's flash kernels (CUDA: fp16/bf16) where they apply; else the
-    scores in full (``_math_attention``: any device, memory quadratic in the block)."""
+    scores in full (``_math_attention``: any device, memory quadratic in the block).
+    ``mask`` (B, 1, Tq, Tk), True where a query may see a key, replaces ``causal``: a query
+    that sees no key of the block gets output 0 and log-sum-exp −inf (the CPU kernel gives 0).
+    CUDA's flash kernel takes no mask: a masked block's scores are formed in full there."""
+    if mask is not None:
+        bias, aten = _additive(mask, q.dtype), torch.ops.aten
+        out, lse = (aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+                    if q.device.type == "cpu" else _math_attention(q, k, v, False, bias))
+        seen = mask.any(-1)  # (B, 1, Tq)
+        return out.masked_fill(~seen.unsqueeze(-1), 0.0), lse.float().masked_fill(~seen, -math.inf), ()
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out, lse.float(), ()
@@ -328,12 +337,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention_with_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                                extras: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                out: torch.Tensor, lse: torch.Tensor, causal: bool, extras: tuple,
+                                mask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block given the whole attention's ``out`` and ``lse`` (not the
     block's): the softmax's probabilities and its row term are then the whole row's, so the
-    blocks' gradients sum to the whole attention's. ``extras``: what ``attention_with_lse``
-    returned for this block."""
+    blocks' gradients sum to the whole attention's. ``extras`` and ``mask``: what
+    ``attention_with_lse`` returned and was given for this block."""
+    if mask is not None:
+        bias, aten = _additive(mask, q.dtype), torch.ops.aten
+        return (aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=bias) if q.device.type == "cpu"
+            else _math_attention_backward(dout, q, k, v, out, lse, False, bias))
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
@@ -345,21 +360,26 @@ def attention_with_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     return _math_attention_backward(dout, q, k, v, out, lse, causal)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # the CPU kernel's kind
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return s if bias is None else s + bias.float()
 
 
-def _math_attention(q, k, v, causal):
-    s = _scores(q, k, causal)
+def _math_attention(q, k, v, causal, bias=None):
+    s = _scores(q, k, causal, bias)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
     return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
-def _math_attention_backward(dout, q, k, v, out, lse, causal):
-    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))  # (B, H, Tq, Tk)
+def _math_attention_backward(dout, q, k, v, out, lse, causal, bias=None):
+    # A row that sees no key has lse −inf: its probabilities are 0, not exp(−inf + inf).
+    p = torch.exp(_scores(q, k, causal, bias) - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Tq, Tk)
     do = dout.float()
     dv = p.transpose(-1, -2) @ do
     dp = do @ v.float().transpose(-1, -2)
@@ -370,8 +390,7 @@ def _math_attention_backward(dout, q, k, v, out, lse, causal):
 KEPT_BY_SELECTIVE = frozenset({
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_mm.default,  # float8 (model.fp8)
-    # What F.scaled_dot_product_attention runs on each device, and ring attention's blocks.
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,  # SDPA's kernels, the ring's blocks
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

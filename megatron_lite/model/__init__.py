@@ -19,9 +19,9 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
 
 
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int,
-                  tensor_parallel: int = 1) -> ModelConfig:
+                  tensor_parallel: int = 1, tokenizer_eod: int | None = None) -> ModelConfig:
     """Fill the fields a recipe may leave to the data: vocab size (padded), the tokenizer's
-    vocabulary (the rows that are not padding) and maximum length."""
+    vocabulary (the rows that are not padding), maximum length and end-of-document id."""
     vocab = cfg.vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
@@ -30,8 +30,13 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
     used = cfg.tokenizer_vocab_size or tokenizer_vocab or vocab
     if used > vocab:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
+    eod = cfg.eod_id if cfg.eod_id is not None else tokenizer_eod
+    if cfg.attention_mask == "document" and eod is None:
+        raise ValueError("model.attention_mask=document needs the id that ends each document: the "
+                         "tokenizer has no end-of-document id; set model.eod_id, or use "
+                         "model.attention_mask=causal")
     return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
-                               max_seq_len=cfg.max_seq_len or seq_length)
+                               max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

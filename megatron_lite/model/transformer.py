@@ -5,7 +5,8 @@ model by separate steps (``megatron_lite.parallel``), never inside it.
 
 Switches (``ModelConfig``): learned positions or RoPE; LayerNorm or RMSNorm; GELU or SwiGLU;
 biases; tied embeddings; grouped-query attention (``n_kv_heads < n_heads``); per-head
-query/key norms (``qk_norm``, Qwen3).
+query/key norms (``qk_norm``, Qwen3); attention within documents (``attention_mask:
+document``: the forward pass is given each token's document, ``document_ids``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.document_attention import document_attention
 from megatron_lite.model.loss import linear_cross_entropy
 
 VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
@@ -88,6 +90,23 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def document_ids(ends: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True at each end-of-document token -> (B, T) the document of each token,
+    counted from 0 in each row. The end-of-document token belongs to the document it ends
+    (Megatron's ``reset_attention_mask``)."""
+    ends = ends.long()
+    return ends.cumsum(1) - ends
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document of each token -> (B, T) its position in its document (Megatron's
+    ``reset_position_ids``)."""
+    t = torch.arange(documents.size(1), device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents[:, :1], dtype=torch.bool)
+    starts = torch.cat([first, documents[:, 1:] != documents[:, :-1]], dim=1)
+    return t - torch.where(starts, t, 0).cummax(dim=1).values
+
+
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (max_len, head_dim) in the half-split layout (Llama / HF ``rotate_half``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -105,8 +124,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CausalAttention(nn.Module):
     """Causal scaled-dot-product attention of (B, T, H, hd) queries over (B, T, Hkv, hd) keys
-    and values, RoPE applied first. A module of its own so that sequence parallelism can wrap
-    it (the all-to-all of DeepSpeed-Ulysses goes around exactly this)."""
+    and values, RoPE applied first; given ``documents``, each token attends only within its
+    document and RoPE counts positions from the document's start. A module of its own so that
+    sequence parallelism can wrap it (the all-to-all of DeepSpeed-Ulysses goes around exactly
+    this)."""
 
     def __init__(self, dropout: float):
         super().__init__()
@@ -117,16 +138,23 @@ class CausalAttention(nn.Module):
         self.rotate = apply_rope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: (B, T) the document of each token, or None (one causal sequence)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        T = q.size(2)
         if rope is not None:
-            T = q.size(2)
-            cos, sin = rope[0][:T], rope[1][:T]
+            if documents is None:
+                cos, sin = rope[0][:T], rope[1][:T]  # (T, hd)
+            else:
+                positions = document_positions(documents)
+                cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)  # (B, 1, T, hd)
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        y = self.sdpa(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.size(1) != q.size(1),
-        )  # (B, H, T, hd)
+        dropout = self.dropout if self.training else 0.0
+        if documents is not None:
+            y = document_attention(q, k, v, documents, dropout, self.sdpa)  # (B, H, T, hd)
+        else:
+            y = self.sdpa(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=k.size(1) != q.size(1))
         return y.transpose(1, 2)  # (B, T, H, hd)
 
 
@@ -147,7 +175,8 @@ class Attention(nn.Module):
         self.core = CausalAttention(cfg.dropout)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts are read off the projections: tensor parallelism gives each rank a slice.
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
@@ -155,7 +184,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = self.core(q, k, v, rope)  # (B, T, H, hd)
+        y = self.core(q, k, v, rope, documents)  # (B, T, H, hd)
         return self.o_proj(y.reshape(B, T, -1))  # (B, T, D)
 
 
@@ -185,8 +214,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, documents))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -266,15 +296,22 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``x`` (B, T) -> logits (B, T, V), or the mean loss with targets.
+        ``documents`` (B, T): the document of each token (``document_ids``) when attention stays
+        within documents; under sequence parallelism those of the whole sequence, of which ``x``
+        is this rank's part.
 
         A pipeline stage is this model with some parts removed (``parallel/stages.py``), and
         runs the parts it has: after the first stage ``x`` is the hidden states (B, T, D) of the
         one before; a stage before the last returns its hidden states, the last its normed ones
         (its output layer is the pipeline's loss)."""
         if self.tok_emb is not None:
-            positions = torch.arange(x.size(1), device=x.device)
+            if documents is None:
+                positions = torch.arange(x.size(1), device=x.device)  # (T,)
+            else:
+                positions = document_positions(documents)  # (B, T) of the whole sequence
             x = self.tok_emb(x)  # (B, T, D)
             if self.pos_emb is not None:
                 x = x + self.pos_emb(positions)
@@ -283,15 +320,15 @@ class Transformer(nn.Module):
         recompute = self.activation_checkpointing if self.training else "none"
         for block in self.blocks.values():
             if recompute == "full":
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, documents, use_reentrant=False)
             elif recompute == "selective":
                 if self.kept_ops is None:
                     raise RuntimeError("model.activation_checkpointing=selective: no ops to keep were given "
                                        "(parallel.apply.use_selective_recompute)")
-                x = checkpoint(block, x, rope, use_reentrant=False,
+                x = checkpoint(block, x, rope, documents, use_reentrant=False,
                                context_fn=functools.partial(keep_outputs_of, self.kept_ops))
             else:
-                x = block(x, rope)
+                x = block(x, rope, documents)
         if self.norm is None:
             return x  # (B, T, D) for the next pipeline stage
         x = self.norm(x)  # (B, T, D)

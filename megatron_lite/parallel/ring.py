@@ -24,6 +24,8 @@ from torch import nn
 
 from megatron_lite.distributed import collectives
 from megatron_lite.engine.internals import attention_with_lse, attention_with_lse_backward
+from megatron_lite.model.document_attention import document_mask
+from megatron_lite.model.transformer import document_positions
 
 
 def ring_positions(seq_len: int, size: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -53,13 +55,21 @@ class RingAttention(nn.Module):
         self.core, self.group, self.rank, self.size = core, group, rank, size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: (B, T) the document of every token of the context group's sequence,
+        or None (one causal sequence)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T/C, hd)
         if rope is not None:
             positions = ring_positions(q.size(2) * self.size, self.size, self.rank, q.device)
-            cos, sin = rope[0][positions], rope[1][positions]  # (T/C, hd)
+            if documents is None:
+                cos, sin = rope[0][positions], rope[1][positions]  # (T/C, hd)
+            else:
+                in_document = document_positions(documents)[:, positions]  # (B, T/C)
+                cos, sin = rope[0][in_document].unsqueeze(1), rope[1][in_document].unsqueeze(1)
             q, k = self.core.rotate(q, cos, sin), self.core.rotate(k, cos, sin)
-        y = _RingAttention.apply(q, k.contiguous(), v.contiguous(), self.group, self.rank, self.size)
+        y = _RingAttention.apply(q, k.contiguous(), v.contiguous(), self.group, self.rank, self.size,
+                                 documents)
         return y.transpose(1, 2)  # (B, T/C, H, hd)
 
 
@@ -90,10 +100,23 @@ def _block(step: int, rank: int, size: int, half: int) -> tuple[slice, slice, bo
     return slice(half, None), everything, False
 
 
+def _block_mask(documents: torch.Tensor | None, step: int, rank: int, size: int, rows: slice,
+                cols: slice) -> torch.Tensor | None:
+    """(B, 1, rows, cols) which of this block's keys each query sees when attention stays
+    within documents (each position's document is known to every rank: no transfer); None for
+    plain causal attention."""
+    if documents is None:
+        return None
+    seq = documents.size(1)
+    q_pos = ring_positions(seq, size, rank, documents.device)[rows]
+    k_pos = ring_positions(seq, size, (rank - step) % size, documents.device)[cols]
+    return document_mask(documents[:, q_pos], documents[:, k_pos], q_pos, k_pos)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank: int, size: int):
-        # q (B, H, T/C, hd); k, v (B, Hkv, T/C, hd)
+    def forward(ctx, q, k, v, group, rank: int, size: int, documents):
+        # q (B, H, T/C, hd); k, v (B, Hkv, T/C, hd); documents (B, T) or None
         repeat, half = q.size(1) // k.size(1), q.size(2) // 2
         kv = torch.stack([k, v])  # (2, B, Hkv, T/C, hd): one transfer per step
         out = lse = None
@@ -102,7 +125,8 @@ class _RingAttention(torch.autograd.Function):
             wait = collectives.ring_exchange_start(kv, group) if step < size - 1 else None
             rows, cols, causal = _block(step, rank, size, half)
             block_out, block_lse, extra = attention_with_lse(
-                q[:, :, rows], _heads(kv[0][:, :, cols], repeat), _heads(kv[1][:, :, cols], repeat), causal)
+                q[:, :, rows], _heads(kv[0][:, :, cols], repeat), _heads(kv[1][:, :, cols], repeat), causal,
+                _block_mask(documents, step, rank, size, rows, cols))
             extras.append(extra)
             if out is None:  # step 0 covers every row
                 out, lse = block_out.float(), block_lse
@@ -116,7 +140,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.rank, ctx.size, ctx.extras = group, rank, size, extras
+        ctx.group, ctx.rank, ctx.size, ctx.extras, ctx.documents = group, rank, size, extras, documents
         return out
 
     @staticmethod
@@ -137,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = attention_with_lse_backward(
                 dout[:, :, rows], q[:, :, rows], _heads(kv[0][:, :, cols], repeat),
                 _heads(kv[1][:, :, cols], repeat), out[:, :, rows], lse[:, :, rows].contiguous(), causal,
-                ctx.extras[step])
+                ctx.extras[step], _block_mask(ctx.documents, step, rank, size, rows, cols))
             dq[:, :, rows] += dq_b.float()
             # The partial sums for the keys held now (the previous rank's, sent after its block).
             dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_wait is None else dkv_wait()
@@ -147,4 +171,4 @@ class _RingAttention(torch.autograd.Function):
             if wait is not None:
                 kv = wait()
         dkv = dkv_wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None

@@ -21,8 +21,9 @@ class UlyssesAttention(nn.Module):
         # scatter the heads (dim 2), gather the sequence (dim 1); batch first.
         self.dist_attn = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
 
-    def forward(self, q, k, v, rope):
-        return self.dist_attn(q, k, v, 0, None, rope)
+    def forward(self, q, k, v, rope, documents=None):
+        # ``documents`` (B, T) covers the whole sequence already: it passes through as it is.
+        return self.dist_attn(q, k, v, 0, None, rope, documents)
 
 
 class HeldPositions(nn.Module):
@@ -35,7 +36,12 @@ class HeldPositions(nn.Module):
         self.split = (ulysses, ulysses_rank, context, context_rank)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions``: (T/N,) this rank's count of them (positions from 0), or (B, T) each
+        token's position in its document over the whole sequence."""
         ulysses, _, context, _ = self.split
+        if positions.dim() == 2:
+            held = sequence_positions(positions.size(1), *self.split, positions.device)
+            return self.emb(positions[:, held])
         held = sequence_positions(positions.numel() * ulysses * context, *self.split, positions.device)
         return self.emb(held)
 

@@ -49,8 +49,10 @@ class Components:
         """One optimizer step / evaluation batch for the layout, with its collaborators (see
         ``StepRunner``): the trainer's runner has a gate; a benchmark's or a test's need none."""
         cfg, dims, grad_accum, graph_break, clip_kernel = self.runner_args
+        m = self.model_cfg
         return StepRunner(cfg, dims, self.engine, grad_accum, graph_break, clip_kernel, self.acc,
-                          gate=gate, clock=clock)
+                          gate=gate, clock=clock,
+                          document_end=m.eod_id if m.attention_mask == "document" else None)
 
     @property
     def device(self) -> torch.device:
@@ -72,14 +74,16 @@ def unfused_wrapper_note(cfg: Config, device_type: str) -> str | None:
             "at data parallel 1, holds the same memory")
 
 
-def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int) -> Components:
-    """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``),
-    put the device's and the recipe's kernels into it, compile it when asked and wrap it in the
-    DeepSpeed engine, whose schedule plans for ``iters`` steps."""
+def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
+          eod: int | None = None) -> Components:
+    """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``)
+    and the tokenizer's end-of-document id ``eod`` (None: ``model.eod_id``), put the device's
+    and the recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine,
+    whose schedule plans for ``iters`` steps."""
     problem = devmod.float8_problem(acc) if cfg.model.fp8 else None
     if problem:  # before anything is built
         raise ValueError(problem)
-    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor)
+    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor, eod)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     zero_partition, dtype = partitioned_init(cfg, dims)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,

@@ -99,7 +99,8 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
                          per_node=not cfg.data.cache_shared, long_wait=True)
     data = on_every_rank(lambda: build_data(cfg.data, *samples, pin_memory=acc.device_name() == "cuda",
                                             build=False), dims, "opening the dataset")
-    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor)
+    model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor,
+                              data.tokenizer.eod_id)
     if model_cfg.tokenizer_vocab_size < data.tokenizer.vocab_size:
         raise ValueError(f"model.tokenizer_vocab_size={model_cfg.tokenizer_vocab_size} is smaller than "
                          f"the tokenizer's {data.tokenizer.vocab_size}; leave it null")
@@ -107,7 +108,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     if expected is not None and expected != data.tokenizer.vocab_size:
         log(f"warning: data.tokenizer.vocab_size={expected}, but the tokenizer has "
             f"{data.tokenizer.vocab_size} ids: the run uses {data.tokenizer.vocab_size}")
-    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters)
+    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters, data.tokenizer.eod_id)
     for note in parts.notes:
         log(note)
     for limitation in deepspeed_limitations(cfg.training.precision, cfg.parallel.deepspeed_zero_stage):

@@ -42,6 +42,7 @@ from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.config import sequence_gradient_factor, trainer_clips_gradients
 from megatron_lite.engine.pipeline import loss_scale
+from megatron_lite.model.transformer import document_ids
 from megatron_lite.parallel.ring import sequence_positions
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
 from megatron_lite.training.timing import NoClock
@@ -91,10 +92,13 @@ def judged_after_update(cfg: Config, opt: torch.optim.Optimizer) -> bool:
 class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
                  graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None,
-                 acc=None, *, gate: UpdateGate | None = None, clock: NoClock | None = None):
+                 acc=None, *, gate: UpdateGate | None = None, clock: NoClock | None = None,
+                 document_end: int | None = None):
         """``gate``: judge every update (at most one runner per engine has one: it wraps the
         optimizer's ``step``); without one, every update is applied unreported. ``clock``: the
-        phase timings of training steps (``training/timing.py``)."""
+        phase timings of training steps (``training/timing.py``). ``document_end``: the token id
+        that ends a document when attention stays within documents (``model.attention_mask``)."""
+        self.document_end = document_end
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
         self.acc = acc  # DeepSpeed's accelerator: pinned memory and events for the late report
         self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
@@ -210,17 +214,19 @@ class StepRunner:
             scheduler.step()
 
     # ---------------------------------------------------------------- steps
-    def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T+1) token windows -> this rank's (inputs, targets)."""
+    def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, T+1) token windows -> this rank's (inputs, targets), and the document of each
+        token of the whole sequence (B, T) when attention stays within documents."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        documents = None if self.document_end is None else document_ids(inputs == self.document_end)
         if self.dims.sequence > 1:
             d = self.dims
             held = sequence_positions(inputs.size(1), d.ulysses, d.ulysses_rank, d.context, d.context_rank,
                                       inputs.device)
             inputs, targets = inputs[:, held], targets[:, held]
-        return inputs, targets
+        return (inputs, targets) if documents is None else (inputs, targets, documents)
 
-    def _pairs(self, batches: Iterator[torch.Tensor], device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(self, batches: Iterator[torch.Tensor], device) -> Iterator[tuple[torch.Tensor, ...]]:
         for batch in batches:
             yield self.split(batch.to(device, non_blocking=True))
 
@@ -252,9 +258,9 @@ class StepRunner:
         pairs = self._pairs(batches, device)
         for micro in range(self.grad_accum):
             clock.mark("data")
-            inputs, targets = next(pairs)
+            pair = next(pairs)
             clock.mark("forward")
-            loss = engine(inputs, targets)
+            loss = engine(*pair)
             clock.mark("backward")
             engine.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
             self.graph_break()

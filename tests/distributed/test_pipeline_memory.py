@@ -7,21 +7,14 @@ sequence's activations; selective recomputation keeps less than none."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.conftest import REPO, _free_port, cpu_env
+from tests.conftest import REPO, run_worker_script
 
 WORKER = REPO / "tests/distributed/loss_memory_worker.py"
 
 
 def peak(out, nproc: int, overrides: list[str]) -> tuple[int, dict]:
-    cmd = [sys.executable, str(WORKER), str(out), *overrides]
-    if nproc > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                    "--master-port", str(_free_port())]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_worker_script(WORKER, out, nproc, overrides)
     result = json.loads((out / "peak.json").read_text())
     return result["bytes"], result["ran"]
 

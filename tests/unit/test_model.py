@@ -161,3 +161,50 @@ def test_vocabulary_padding_is_not_part_of_the_model(tie):
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="model.vocab_size=64 is smaller than the tokenizer's vocabulary"):
         resolve_model(ModelConfig(vocab_size=64), 65, 16)
+
+
+def test_documents_and_positions_of_packed_tokens():
+    from megatron_lite.model.transformer import document_ids, document_positions
+
+    tokens = torch.tensor([[5, 7, 0, 3, 0, 0, 9, 4], [1, 2, 3, 4, 5, 6, 7, 0]])
+    documents = document_ids(tokens == 0)
+    # The end-of-document token (0) belongs to the document it ends, as in Megatron.
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8]
+    assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+
+
+def test_document_attention_needs_an_end_of_document_id():
+    cfg = ModelConfig(vocab_size=64, attention_mask="document")
+    with pytest.raises(ValueError, match="attention_mask=document needs the id that ends each document.*"
+                                         "set model.eod_id"):
+        resolve_model(cfg, 64, 16)  # a character tokenizer has none
+    assert resolve_model(cfg, 64, 16, tokenizer_eod=3).eod_id == 3
+    assert resolve_model(dataclasses.replace(cfg, eod_id=5), 64, 16, tokenizer_eod=3).eod_id == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention is the CUDA path; no GPU here")
+def test_flex_attention_on_cuda_equals_the_masked_reference():
+    """On CUDA, attention within documents runs FlexAttention with a block mask; it must equal
+    SDPA with the boolean mask (the CPU's path), forward and backward, GQA included."""
+    from megatron_lite.model.document_attention import document_attention, document_mask
+    from megatron_lite.model.transformer import document_ids
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 50, (2, 256), generator=gen)
+    tokens[0, [40, 41, 200]] = 0
+    tokens[1, 130] = 0
+    documents = document_ids(tokens == 0).cuda()
+    q = torch.randn(2, 8, 256, 64, generator=gen)
+    k, v = (torch.randn(2, 4, 256, 64, generator=gen) for _ in range(2))
+    upstream = torch.randn(2, 8, 256, 64, generator=gen).cuda()
+    leaves = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = document_attention(*leaves, documents, 0.0)
+    out.backward(upstream.bfloat16())
+    ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+    t = torch.arange(256, device="cuda")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *ref_leaves, attn_mask=document_mask(documents, documents, t, t), enable_gqa=True)
+    ref.backward(upstream)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad.float(), want.grad, rtol=2e-2, atol=2e-2, msg=f"d{name}")
