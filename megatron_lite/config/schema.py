@@ -68,6 +68,11 @@ class DataConfig:
     """How text becomes tokens."""
     seq_length: int = 1024
     """Tokens per training sample (each sample reads ``seq_length + 1`` tokens)."""
+    eod_mask_loss: bool = False
+    """Leave the prediction made at each end-of-document token (of the next document's first
+    token, which nothing before it can tell) out of the loss and its mean: Megatron's
+    ``--eod-mask-loss``. Pairs with ``model.attention_mask: document``; needs the
+    end-of-document id (``model.eod_id`` or the tokenizer's)."""
     num_workers: int = 1
     """Data-loader worker processes per rank (0 reads in the training process)."""
     seed: int = 1234

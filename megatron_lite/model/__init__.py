@@ -31,12 +31,21 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
     if used > vocab:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
     eod = cfg.eod_id if cfg.eod_id is not None else tokenizer_eod
-    if cfg.attention_mask == "document" and eod is None:
-        raise ValueError("model.attention_mask=document needs the id that ends each document: the "
-                         "tokenizer has no end-of-document id; set model.eod_id, or use "
-                         "model.attention_mask=causal")
     return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
                                max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
+
+
+def require_document_end(cfg: ModelConfig, eod_mask_loss: bool) -> None:
+    """Refuse the settings that need the id that ends each document when the resolved model
+    (``resolve_model``, given the tokenizer's) has none."""
+    if cfg.eod_id is not None:
+        return
+    needs = ([f"model.attention_mask={cfg.attention_mask}"] if cfg.attention_mask == "document" else []) \
+        + (["data.eod_mask_loss=true"] if eod_mask_loss else [])
+    if needs:
+        verb = "need" if len(needs) > 1 else "needs"
+        raise ValueError(f"{' and '.join(needs)} {verb} the id that ends each document, but the tokenizer "
+                         "has none (a character tokenizer, say): set model.eod_id, or leave them off")
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
@@ -47,6 +56,6 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
 
 
 __all__ = [
-    "Transformer", "build_model", "resolve_model", "padded_vocab_size", "count_parameters",
-    "flops_per_token", "matmul_parameters",
+    "Transformer", "build_model", "resolve_model", "require_document_end", "padded_vocab_size",
+    "count_parameters", "flops_per_token", "matmul_parameters",
 ]

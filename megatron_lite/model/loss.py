@@ -128,6 +128,10 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
     return total / h.shape[0]
 
 
+IGNORED = -100
+"""A target the output layers leave out of the loss and its mean when told to
+(``skips_ignored``, set for ``data.eod_mask_loss``)."""
+
 SMALL_LOGITS = 1 << 20
 """Up to this many logits (tokens × vocabulary), the eager loss is the plain
 ``F.cross_entropy(h @ weight.T)``: all of it is a few MiB, and the fused pass's extra kernels

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.document_attention import document_attention
-from megatron_lite.model.loss import linear_cross_entropy
+from megatron_lite.model.loss import IGNORED, linear_cross_entropy
 
 VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
 """Parameters with one row per vocabulary id (rows past ``tokenizer_vocab_size`` are padding)."""
@@ -242,12 +242,20 @@ class LMHead(nn.Module):
         # (h (N, D), weight (V, D), targets (N,)) -> mean loss. The parallelize steps may put a
         # compiled or a library kernel here (parallel/apply.py).
         self.loss_fn = linear_cross_entropy
+        # Targets may be IGNORED (data.eod_mask_loss; set by parallel.apply.use_loss_mask).
+        self.skips_ignored = False
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight[:self.used]  # (V, D) without the padding rows
         if targets is None:
             return F.linear(x, weight)  # (B, T, V)
-        return self.loss_fn(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
+        h, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (N, D), (N,)
+        if self.skips_ignored:
+            kept = targets != IGNORED
+            h, targets = h[kept], targets[kept]  # (kept, D): the count is read to the host
+            if targets.numel() == 0:
+                return h.sum()  # zero, and no gradient
+        return self.loss_fn(h, weight, targets)
 
 
 class Transformer(nn.Module):

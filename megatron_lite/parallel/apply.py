@@ -185,6 +185,14 @@ def use_selective_recompute(module: nn.Module) -> None:
             m.kept_ops = KEPT_BY_SELECTIVE
 
 
+def use_loss_mask(module: nn.Module) -> None:
+    """``data.eod_mask_loss``: the output layers leave targets marked ``IGNORED`` out of the
+    loss and its mean (the sequence-parallel loss weights each slice by what it counts)."""
+    for m in module.modules():
+        if isinstance(m, (LMHead, VocabParallelLMHead, SequenceMeanLoss)):
+            m.skips_ignored = True
+
+
 def compile_blocks(module: nn.Module, backend: str) -> int:
     """``torch.compile`` every transformer block in place (parameter names unchanged), and on
     accelerators the softmax-gradient pass of the output layer's fused loss; returns how many

@@ -16,6 +16,7 @@ from torch import nn
 from megatron_lite.distributed import collectives
 from megatron_lite.distributed.shard_spec import set_spec, spec
 from megatron_lite.engine import internals
+from megatron_lite.model.loss import IGNORED
 from megatron_lite.parallel import comm
 
 
@@ -153,6 +154,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight = weight
         self.start = rank * weight.shape[0]
         self.group, self.sequence_parallel, self.used = group, sequence_parallel, used
+        self.skips_ignored = False  # as LMHead's
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = comm.enter_region(x, self.group, self.sequence_parallel)  # (B, T, D)
@@ -161,4 +163,7 @@ class VocabParallelLMHead(nn.Module):
             return comm.gather_last_dim(logits, self.group)[..., :self.used]  # (B, T, V) real ids
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                               self.group, self.start, self.used)
+        if self.skips_ignored:  # an ignored row's loss is computed (no slice has its id), not counted
+            kept = targets.reshape(-1) != IGNORED
+            return (losses * kept).sum() / kept.sum().clamp_min(1)
         return losses.mean()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.distributed import collectives
+from megatron_lite.model.loss import IGNORED
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.ring import sequence_positions
 
@@ -55,6 +57,9 @@ class SequenceMeanLoss(nn.Module):
     def __init__(self, head: nn.Module, group, size: int):
         super().__init__()
         self.head, self.group, self.size = head, group, size
+        # With ignored targets (data.eod_mask_loss) the slices' means are weighted by the
+        # targets each counts, so the loss is the mean over the whole sequence's.
+        self.skips_ignored = False
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,4 +70,9 @@ class SequenceMeanLoss(nn.Module):
         out = self.head(x, targets)
         if targets is None:
             return out
+        if self.skips_ignored:
+            counted = (targets != IGNORED).sum().float()
+            total = counted.clone()
+            collectives.all_reduce(total, self.group)
+            return comm.exit_region(out * (counted / total.clamp_min(1)), self.group, False)
         return comm.exit_region(out, self.group, False) / self.size

@@ -16,10 +16,10 @@ from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
-from megatron_lite.model import flops_per_token, resolve_model
+from megatron_lite.model import flops_per_token, require_document_end, resolve_model
 from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel
+from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel, use_loss_mask
 from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.step import StepRunner, UpdateGate
 from megatron_lite.training.timing import NoClock
@@ -52,7 +52,8 @@ class Components:
         m = self.model_cfg
         return StepRunner(cfg, dims, self.engine, grad_accum, graph_break, clip_kernel, self.acc,
                           gate=gate, clock=clock,
-                          document_end=m.eod_id if m.attention_mask == "document" else None)
+                          document_end=m.eod_id if m.attention_mask == "document" else None,
+                          loss_mask_end=m.eod_id if cfg.data.eod_mask_loss else None)
 
     @property
     def device(self) -> torch.device:
@@ -84,11 +85,14 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
     if problem:  # before anything is built
         raise ValueError(problem)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor, eod)
+    require_document_end(model_cfg, cfg.data.eod_mask_loss)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there
     zero_partition, dtype = partitioned_init(cfg, dims)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition, cfg.parallel.tile_factor,
                                  zero_partition, dtype, dims.grad_accumulation(cfg))
+    if cfg.data.eod_mask_loss:
+        use_loss_mask(model)
     device_type = acc.device_name()
     notes = []
     kernels = devmod.device_kernels(acc)

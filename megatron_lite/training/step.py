@@ -42,6 +42,7 @@ from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.config import sequence_gradient_factor, trainer_clips_gradients
 from megatron_lite.engine.pipeline import loss_scale
+from megatron_lite.model.loss import IGNORED
 from megatron_lite.model.transformer import document_ids
 from megatron_lite.parallel.ring import sequence_positions
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
@@ -93,12 +94,13 @@ class StepRunner:
     def __init__(self, cfg: Config, dims: ParallelDims, engine, grad_accum: int,
                  graph_break: Callable[[], None] = lambda: None, clip_kernel: Callable | None = None,
                  acc=None, *, gate: UpdateGate | None = None, clock: NoClock | None = None,
-                 document_end: int | None = None):
+                 document_end: int | None = None, loss_mask_end: int | None = None):
         """``gate``: judge every update (at most one runner per engine has one: it wraps the
         optimizer's ``step``); without one, every update is applied unreported. ``clock``: the
         phase timings of training steps (``training/timing.py``). ``document_end``: the token id
-        that ends a document when attention stays within documents (``model.attention_mask``)."""
-        self.document_end = document_end
+        that ends a document when attention stays within documents (``model.attention_mask``);
+        ``loss_mask_end``: the one whose predictions the loss leaves out (``data.eod_mask_loss``)."""
+        self.document_end, self.loss_mask_end = document_end, loss_mask_end
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
         self.acc = acc  # DeepSpeed's accelerator: pinned memory and events for the late report
         self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
@@ -219,6 +221,8 @@ class StepRunner:
         token of the whole sequence (B, T) when attention stays within documents."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         documents = None if self.document_end is None else document_ids(inputs == self.document_end)
+        if self.loss_mask_end is not None:
+            targets = targets.masked_fill(inputs == self.loss_mask_end, IGNORED)
         if self.dims.sequence > 1:
             d = self.dims
             held = sequence_positions(inputs.size(1), d.ulysses, d.ulysses_rank, d.context, d.context_rank,

@@ -2,7 +2,8 @@
 small GPT (learned positions) and a small Llama (RoPE, GQA, qk-norm, selective
 recomputation): this rank's per-token
 losses (from the logits of the tokens it holds) and its gradients of their sum, written to
-OUT/rank{R}.pt. One process also writes the losses of each document run alone (no documents
+OUT/rank{R}.pt, and the model's mean loss with the predictions at EOD left out
+(``data.eod_mask_loss``). One process also writes the losses of each document run alone (no documents
 given) and of the packed samples under plain causal attention. Run by test_document_mask.py.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/document_mask_worker.py OUT \
@@ -24,6 +25,7 @@ from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.distributed.startup import shutdown_distributed
 from megatron_lite.model import resolve_model
 from megatron_lite.parallel import build_parallel_model
+from megatron_lite.parallel.apply import use_loss_mask
 from megatron_lite.parallel.ring import sequence_positions
 from megatron_lite.training.step import StepRunner
 
@@ -86,6 +88,11 @@ def main() -> None:
         held = sequence_positions(SEQ, dims.ulysses, dims.ulysses_rank, dims.context, dims.context_rank)
         result = {"held": held, "losses": losses.detach(),
                   "grads": {spec(p).name: p.grad.clone() for p in model.parameters()}}
+        # data.eod_mask_loss: the model's own mean loss, the predictions made at EOD left out.
+        use_loss_mask(model)
+        masking = StepRunner(cfg, dims, SimpleNamespace(module=model), 1, document_end=EOD, loss_mask_end=EOD)
+        with torch.no_grad():
+            result["eod_masked_loss"] = model(*masking.split(batch)).item()
         if dims.world_size == 1:
             with torch.no_grad():
                 result["causal"] = per_token(model, batch[:, :-1], batch[:, 1:])

@@ -173,12 +173,18 @@ def test_documents_and_positions_of_packed_tokens():
     assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
 
 
-def test_document_attention_needs_an_end_of_document_id():
+def test_document_attention_and_eod_mask_loss_need_an_end_of_document_id():
+    from megatron_lite.model import require_document_end
+
     cfg = ModelConfig(vocab_size=64, attention_mask="document")
-    with pytest.raises(ValueError, match="attention_mask=document needs the id that ends each document.*"
-                                         "set model.eod_id"):
-        resolve_model(cfg, 64, 16)  # a character tokenizer has none
+    with pytest.raises(ValueError, match="model.attention_mask=document and data.eod_mask_loss=true need "
+                                         "the id that ends each document.*set model.eod_id"):
+        require_document_end(resolve_model(cfg, 64, 16), True)  # a character tokenizer has none
+    with pytest.raises(ValueError, match="^data.eod_mask_loss=true needs the id"):
+        require_document_end(resolve_model(ModelConfig(vocab_size=64), 64, 16), True)
+    require_document_end(resolve_model(ModelConfig(vocab_size=64), 64, 16), False)
     assert resolve_model(cfg, 64, 16, tokenizer_eod=3).eod_id == 3
+    require_document_end(resolve_model(cfg, 64, 16, tokenizer_eod=3), True)
     assert resolve_model(dataclasses.replace(cfg, eod_id=5), 64, 16, tokenizer_eod=3).eod_id == 5
 
 
