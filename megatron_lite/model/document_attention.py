@@ -27,27 +27,27 @@ _block_masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
+def _flex_document_attention():
+    """The CUDA path, made on first use: ``torch.compiler.disable`` and ``torch.compile``
+    import torch._dynamo (a second of every process's start otherwise)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # FlexAttention is fast only compiled (eager it runs a reference implementation).
-    return torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=False)
 
+    @torch.compiler.disable  # its own compiled kernel; the block mask is built outside the graph
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        block_mask = _block_masks.get(documents)
+        if block_mask is None:
+            def same_document_causal(b, h, q_idx, kv_idx):
+                return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
 
-@torch.compiler.disable  # its own compiled kernel; the block mask is built outside the graph
-def _flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             documents: torch.Tensor) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
+            B, T = documents.shape
+            block_mask = create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+            _block_masks[documents] = block_mask
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
 
-    block_mask = _block_masks.get(documents)
-    if block_mask is None:
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
-
-        B, T = documents.shape
-        block_mask = create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
-        _block_masks[documents] = block_mask
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+    return attend
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
@@ -56,7 +56,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     tokens of its own document up to itself; ``documents`` (B, T). ``sdpa``: the device's SDPA
     kernel, for the masked path."""
     if q.device.type == "cuda" and dropout_p == 0.0:  # FlexAttention has no dropout
-        return _flex_document_attention(q, k, v, documents)
+        return _flex_document_attention()(q, k, v, documents)
     t = torch.arange(q.size(2), device=q.device)
     return sdpa(q, k, v, attn_mask=document_mask(documents, documents, t, t), dropout_p=dropout_p,
                 enable_gqa=k.size(1) != q.size(1))

@@ -156,3 +156,16 @@ def test_no_module_a_package_init_imports_imports_that_package_by_name():
                 if isinstance(node, ast.ImportFrom) and node.module == package:
                     wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} from {package} import ...")
     assert not wrong, "\n".join(wrong)
+
+
+def test_starting_a_run_does_not_import_the_compiler():
+    """Importing torch._dynamo costs about a second of every process's start (each rank, each
+    tool): the run path loads it only where a run compiles (``training.compile``, FlexAttention on
+    CUDA) or builds torch's optimizer."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import megatron_lite.training.run, megatron_lite.training.entry; "
+             "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
