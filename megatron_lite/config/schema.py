@@ -129,8 +129,7 @@ class ModelConfig:
     only to those of its own document (a document ends at its ``eod_id`` token, which belongs to
     it), and positions (RoPE or learned) restart at each document's first token: Megatron's
     ``--reset-attention-mask --reset-position-ids``, torchtitan's block-causal mask. A sample
-    that packs several documents then trains each as if it were alone. Not with
-    ``parallel.pipeline`` > 1 (yet)."""
+    that packs several documents then trains each as if it were alone."""
     eod_id: Optional[int] = None
     """The token id that ends each document in the data (for ``attention_mask: document``);
     null: the tokenizer's end-of-document id."""

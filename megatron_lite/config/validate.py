@@ -294,10 +294,6 @@ def _parallel_problems(cfg: Config) -> list[str]:
     if p.hsdp and p.zero_stage in (1, 2):
         out.append(f"'parallel.hsdp' = true is ZeRO-3 within each shard group, but "
                    f"'parallel.zero_stage' = {p.zero_stage}; set parallel.zero_stage=3 (or 0)")
-    if m.attention_mask == "document" and p.pipeline > 1:
-        out.append(f"'model.attention_mask' = document with 'parallel.pipeline' = {p.pipeline}: the "
-                   "documents do not travel between pipeline stages yet; use parallel.pipeline=1 "
-                   "(tensor, Ulysses and context parallelism work) or model.attention_mask=causal")
     if p.hsdp and p.pipeline > 1:
         out.append("'parallel.hsdp' = true needs ZeRO-3, which DeepSpeed's pipeline engine does not "
                    "support; use parallel.zero_stage=1 with pipeline parallelism")

@@ -9,6 +9,7 @@ checkpoint (``engine/internals.py``).
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -71,6 +72,21 @@ def _stage_pipeline_class() -> type:
                 self._tied = [(weight, dims.group("embedding"))]
             internals.mark_pipeline_parameters(
                 self, dims.tp_rank, tied_copy=self.head.weight if tied and last else None)
+            # Attention within documents: DeepSpeed hands a stage only the previous stage's
+            # output, so each micro-batch's documents come beside it, queued in micro-batch
+            # order by the step (every stage reads its data rank's batches); the stage's
+            # forward takes the next one (an activation recomputation keeps its own).
+            self.documents: collections.deque = collections.deque()
+            self.takes_documents = False
+            stage.register_forward_pre_hook(self._with_documents, with_kwargs=True)
+
+        def _with_documents(self, module, args, kwargs):
+            if not self.takes_documents:
+                return None
+            if not self.documents:
+                raise RuntimeError("pipeline stage: a micro-batch ran without its documents (the step "
+                                   "queues them: StepRunner._stage_pairs)")
+            return args, {**kwargs, "documents": self.documents.popleft()}
 
         def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             """The mean next-token loss of the last stage's normed hidden states (B, T, D)."""

@@ -246,6 +246,21 @@ class StepRunner:
                 return
             yield pair
 
+    def _stage_pairs(self, pairs: Iterator[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
+        """What DeepSpeed's pipeline engine pulls: (inputs, targets). With documents, this
+        stage's micro-batches are read first, on every stage (the engine pulls only on the first
+        and last), and their documents queued for the stage (``engine/pipeline.py``)."""
+        if self.document_end is None:
+            return pairs
+        read = [next(pairs) for _ in range(self.grad_accum)]
+        stage = self.engine.module
+        if stage.documents:
+            raise RuntimeError(f"pipeline stage: {len(stage.documents)} micro-batch(es) of documents "
+                               "were never run")
+        stage.takes_documents = True
+        stage.documents.extend(documents for _, _, documents in read)
+        return iter([(inputs, targets) for inputs, targets, _ in read])
+
     def train_step(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
         """One optimizer step over ``grad_accum`` micro-batches; returns the sum of the
         micro-batch losses as a device tensor. ``clock`` gets the step's phases (under pipeline
@@ -253,7 +268,7 @@ class StepRunner:
         engine, clock = self.engine, self.clock
         self._armed, self.applied = self.judge is not None, True
         if self.pipelined:
-            loss = engine.train_batch(data_iter=self._timed_pairs(batches, device))
+            loss = engine.train_batch(data_iter=self._stage_pairs(self._timed_pairs(batches, device)))
             self.grad_norm = engine.get_global_grad_norm()
             if self.judge is not None:
                 self._after_step()
@@ -300,7 +315,8 @@ class StepRunner:
     def eval_loss(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
         """Mean loss of ``grad_accum`` micro-batches (one global batch)."""
         if self.pipelined:
-            loss = self.engine.eval_batch(self._pairs(batches, device), num_micro_batches=self.grad_accum)
+            loss = self.engine.eval_batch(self._stage_pairs(self._pairs(batches, device)),
+                                          num_micro_batches=self.grad_accum)
             return loss.float().reshape(())
         total = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)

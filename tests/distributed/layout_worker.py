@@ -54,6 +54,8 @@ def train(overrides: list[str]) -> tuple[dict, ParallelDims]:
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (STEPS * dims.global_batch(cfg), cfg.data.seq_length + 1), generator=gen)
+    if cfg.model.eod_id is not None:  # documents of a few tokens to a few dozen
+        data[data % 8 == 0] = cfg.model.eod_id
     sampler = GlobalBatchSampler(0, dims.global_batch(cfg), cfg.training.micro_batch_size,
                                  dims.dp_rank, dims.data)
     batches = (data[idx] for idx in sampler)

@@ -75,3 +75,17 @@ def test_document_attention_under_sequence_parallelism_matches_one_process(tmp_p
                                        msg=f"{variant} gradient of {name}")
         for rank in ranks:  # every rank has the loss of the whole sequence
             assert rank[variant]["eod_masked_loss"] == pytest.approx(want["eod_masked_loss"], rel=1e-5)
+
+
+def test_pipeline_stages_take_each_micro_batch_s_documents(tmp_path):
+    """Under pipeline parallelism (with Ulysses, and the loss mask) a stage receives only the
+    previous stage's output; the documents come beside it: the run trains as one process does
+    (layout_worker.py: losses, gradient norms and weights after 5 steps)."""
+    from tests.distributed.test_layouts import assert_matches
+    from tests.distributed.test_layouts import run_worker as run_layout
+
+    documents = ["model.attention_mask=document", "model.eod_id=3", "data.eod_mask_loss=true"]
+    reference = run_layout(tmp_path / "one", 1, documents)[0]
+    ranks = run_layout(tmp_path / "pp2xulysses2", 4, ["parallel.pipeline=2", "parallel.ulysses=2",
+                                                      "parallel.zero_stage=1", *documents])
+    assert_matches(reference, ranks)

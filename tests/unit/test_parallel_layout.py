@@ -147,8 +147,6 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
      "'parallel.tensor' = 16"),
     (["parallel.context=2", "model.dropout=0.1"], "ring attention has no attention dropout"),
     (["parallel.context=0"], "'parallel.context' = 0 must be at least 1"),
-    (["parallel.pipeline=2", "model.attention_mask=document"],
-     "'model.attention_mask' = document with 'parallel.pipeline' = 2: the documents do not travel"),
     (["parallel.offload_optimizer=cpu"], "needs 'parallel.zero_stage' 1, 2 or 3"),
     (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "offload_params' = cpu needs ZeRO-3"),
     (["parallel.offload_optimizer=nvme", "parallel.zero_stage=3"], "needs 'parallel.nvme_path'"),
