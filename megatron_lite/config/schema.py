@@ -278,10 +278,23 @@ class OptimizerConfig:
 class ScheduleConfig:
     warmup_iters: int = 0
     """Linear warm-up steps from 0 to ``optimizer.lr``."""
-    decay_style: str = choice("cosine", "linear", "constant")
-    """Shape of the decay from ``optimizer.lr`` to ``optimizer.min_lr``."""
+    decay_style: str = choice("cosine", "linear", "constant", "wsd")
+    """Shape of the decay from ``optimizer.lr`` to ``optimizer.min_lr``: over all the steps
+    after warm-up (``cosine``, ``linear``), none (``constant``), or ``wsd`` (warmup-stable-decay:
+    MiniCPM's, Megatron-LM's ``WSD``, torchtitan's): ``optimizer.lr`` held, then a cooldown to
+    ``min_lr`` over the last ``decay_fraction`` of those steps, shaped by ``decay_shape``. A run
+    stopped before its cooldown can go on longer by raising ``training.iters``."""
     decay_iters: Optional[int] = None
     """Step at which the decay reaches ``min_lr``; null means the end of training."""
+    decay_fraction: float = 0.2
+    """With ``decay_style: wsd``: the share of the steps from the end of warm-up to the decay end
+    spent in the cooldown (torchtitan's ``decay_ratio``; Megatron-LM gives it as
+    ``--lr-wsd-decay-iters``)."""
+    decay_shape: str = choice("linear", "cosine", "sqrt", "minus_sqrt")
+    """With ``decay_style: wsd``: the cooldown's shape over its progress p from 0 to 1: the rate's
+    share of ``lr − min_lr`` is 1 − p (``linear``), (1 + cos πp)/2 (``cosine``) or 1 − √p
+    (``sqrt``: torchtitan's name, the "1-sqrt" cooldown of Hägele et al. 2024; ``minus_sqrt`` is
+    Megatron-LM's name for the same)."""
     on_resume: str = choice("check", "checkpoint", "recipe")
     """When a resumed checkpoint's schedule (``optimizer.lr``/``min_lr``, these keys, the decay
     end) differs from the recipe's: ``check`` refuses to start and lists the differences;

@@ -162,6 +162,9 @@ def validate(cfg: Config) -> list[str]:
         need(s.decay_iters >= s.warmup_iters,
              f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "
              f"('schedule.warmup_iters' = {s.warmup_iters})")
+    need(0 < s.decay_fraction <= 1,
+         f"'schedule.decay_fraction' = {s.decay_fraction} must be in (0, 1] (the cooldown's share of "
+         "the steps after warm-up; 0.1-0.2 is usual)")
 
     problems.extend(_parallel_problems(cfg))
     problems.extend(deepspeed_block_problems(cfg.deepspeed))

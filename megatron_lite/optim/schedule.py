@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then cosine/linear decay to ``min_lr``, then flat."""
+"""Learning-rate schedule: linear warm-up, then cosine/linear decay to ``min_lr`` (or the rate
+held, then a cooldown: warmup-stable-decay), then flat."""
 
 from __future__ import annotations
 
@@ -21,11 +22,20 @@ class LRSchedule:
     decay_end: int
     """The step at which the decay reaches ``min_lr`` (``schedule.decay_iters``, or the run's
     total steps)."""
+    # With defaults: checkpoints saved before WSD existed hold no such keys.
+    decay_fraction: float = 0.2
+    decay_shape: str = "linear"
 
     @classmethod
     def of(cls, opt: OptimizerConfig, sched: ScheduleConfig, total_iters: int) -> LRSchedule:
         return cls(opt.lr, opt.min_lr, sched.warmup_iters, sched.decay_style,
-                   sched.decay_iters if sched.decay_iters is not None else total_iters)
+                   sched.decay_iters if sched.decay_iters is not None else total_iters,
+                   sched.decay_fraction, sched.decay_shape)
+
+    def cooldown_start(self) -> int:
+        """``wsd``: the first step of the cooldown (the rate is ``lr`` up to it)."""
+        span = max(self.decay_end - self.warmup_iters, 1)
+        return self.decay_end - max(round(self.decay_fraction * span), 1)
 
     def at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based)."""
@@ -36,9 +46,16 @@ class LRSchedule:
             return self.lr
         if step >= self.decay_end:
             return self.min_lr
-        progress = (step - self.warmup_iters) / max(self.decay_end - self.warmup_iters, 1)
-        if self.decay_style == "cosine":
+        start, shape = self.warmup_iters, self.decay_style
+        if self.decay_style == "wsd":
+            start, shape = self.cooldown_start(), self.decay_shape
+            if step < start:
+                return self.lr
+        progress = (step - start) / max(self.decay_end - start, 1)
+        if shape == "cosine":
             coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+        elif shape in ("sqrt", "minus_sqrt"):
+            coeff = 1.0 - math.sqrt(progress)
         else:
             coeff = 1.0 - progress
         return self.min_lr + coeff * (self.lr - self.min_lr)

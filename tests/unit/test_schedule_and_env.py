@@ -2,7 +2,7 @@ import pytest
 
 from megatron_lite.config.schema import OptimizerConfig, ScheduleConfig
 from megatron_lite.distributed.launcher_env import detect
-from megatron_lite.optim.schedule import lr_at
+from megatron_lite.optim.schedule import LRSchedule, lr_at, schedule_to_follow
 
 OPT = OptimizerConfig(lr=1.0, min_lr=0.1)
 
@@ -122,3 +122,23 @@ def test_a_console_line_reaches_the_shared_pipe_in_one_write():
     emit_line("[rank 1] step      1/5 | loss 4.1960", out)
     emit_line("error: the reason", out)
     assert out.writes == ["[rank 1] step      1/5 | loss 4.1960\n", "error: the reason\n"]
+
+
+@pytest.mark.parametrize("shape, middle", [("linear", 0.55), ("cosine", 0.55),
+                                           ("sqrt", 0.1 + (1 - 0.5**0.5) * 0.9),
+                                           ("minus_sqrt", 0.1 + (1 - 0.5**0.5) * 0.9)])
+def test_warmup_stable_decay_holds_the_rate_then_cools_down(shape, middle):
+    """lr 1 → 0.1, 10 warm-up steps, decay end 110, a 0.2 cooldown: steps 90..110, rates by hand."""
+    wsd = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=10, decay_style="wsd", decay_end=110,
+                     decay_fraction=0.2, decay_shape=shape)
+    assert wsd.at(0) == pytest.approx(1 / 11) and wsd.at(10) == 1.0
+    assert wsd.at(50) == 1.0 and wsd.at(90) == 1.0  # stable, up to the cooldown's first step
+    assert wsd.at(100) == pytest.approx(middle)
+    assert wsd.at(95) > wsd.at(100) > wsd.at(105) > 0.1
+    assert wsd.at(110) == 0.1 and wsd.at(500) == 0.1
+
+
+def test_a_checkpoint_schedule_from_before_wsd_still_loads():
+    saved = {"lr": 1.0, "min_lr": 0.1, "warmup_iters": 2, "decay_style": "cosine", "decay_end": 8}
+    running = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=2, decay_style="cosine", decay_end=8)
+    assert schedule_to_follow(saved, running, 4, "step 4", "check", print) == running
