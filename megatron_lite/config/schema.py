@@ -108,6 +108,21 @@ class ModelConfig:
     """Position encoding: rotary (Llama) or learned absolute embeddings (GPT-2)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: str = choice("none", "llama3")
+    """RoPE frequency scaling for contexts beyond the one trained first: ``llama3`` (Llama 3.1
+    and later) divides the low frequencies (wavelengths over ``rope_original_max_len /
+    rope_low_freq_factor``) by ``rope_scaling_factor``, keeps the high ones (wavelengths under
+    ``rope_original_max_len / rope_high_freq_factor``) and blends those between; transformers'
+    ``rope_type: llama3``."""
+    rope_scaling_factor: float = 8.0
+    """``rope_scaling: llama3``: how much longer the new context is (transformers' ``factor``)."""
+    rope_low_freq_factor: float = 1.0
+    """``rope_scaling: llama3``: transformers' ``low_freq_factor``."""
+    rope_high_freq_factor: float = 4.0
+    """``rope_scaling: llama3``: transformers' ``high_freq_factor``."""
+    rope_original_max_len: int = 8192
+    """``rope_scaling: llama3``: the context the model was first trained with (transformers'
+    ``original_max_position_embeddings``)."""
     norm: str = choice("rmsnorm", "layernorm")
     """Normalisation layer."""
     norm_eps: float = 1e-5
@@ -155,7 +170,8 @@ class ModelConfig:
 
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "activation", "norm",
-        "position", "bias", "tie_embeddings", "rope_theta", "qk_norm")
+        "position", "bias", "tie_embeddings", "rope_theta", "qk_norm", "rope_scaling",
+        "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
     """The fields that change what the weights compute: checkpoints record them, and a recipe
     that differs is refused at a resume (``checkpoint.strict_model``)."""
 

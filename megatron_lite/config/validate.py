@@ -162,6 +162,14 @@ def validate(cfg: Config) -> list[str]:
         need(s.decay_iters >= s.warmup_iters,
              f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "
              f"('schedule.warmup_iters' = {s.warmup_iters})")
+    if m.rope_scaling != "none":
+        need(m.position == "rope", f"'model.rope_scaling' = {m.rope_scaling} needs 'model.position' = rope "
+             f"(it is {m.position})")
+        need(m.rope_scaling_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+             and m.rope_original_max_len > 0,
+             f"'model.rope_scaling' = llama3 needs rope_scaling_factor > 0 ({m.rope_scaling_factor}), "
+             f"0 < rope_low_freq_factor ({m.rope_low_freq_factor}) < rope_high_freq_factor "
+             f"({m.rope_high_freq_factor}) and rope_original_max_len > 0 ({m.rope_original_max_len})")
     need(0 < s.decay_fraction <= 1,
          f"'schedule.decay_fraction' = {s.decay_fraction} must be in (0, 1] (the cooldown's share of "
          "the steps after warm-up; 0.1-0.2 is usual)")

@@ -28,12 +28,18 @@ def _refuse(model_type: str, refusals: list[str]) -> None:
         raise ValueError(f"cannot import this {model_type} model exactly: " + "; ".join(refusals))
 
 
-def _rope(hf: Any) -> tuple[float, list[str]]:
-    """(base frequency, refusals) of an HF config's RoPE, from whichever format carries it:
+LLAMA3_SCALING = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                  "high_freq_factor": "rope_high_freq_factor",
+                  "original_max_position_embeddings": "rope_original_max_len"}
+"""transformers' ``llama3`` RoPE parameters -> ours (``model.rope_scaling: llama3``)."""
+
+
+def _rope(hf: Any) -> tuple[dict, list[str]]:
+    """(our RoPE fields, refusals) of an HF config's RoPE, from whichever format carries it:
     transformers ≥ 5's ``rope_parameters`` (theta inside; an older config.json's
     ``rope_scaling`` is converted into it on load), or a transformers < 5 config's top-level
-    ``rope_theta`` with a ``rope_scaling`` dict (None when unscaled). This model rotates every
-    dimension of a head by unscaled frequencies: transformers' ``rope_type`` "default"."""
+    ``rope_theta`` with a ``rope_scaling`` dict (None when unscaled). Implemented: transformers'
+    ``rope_type`` "default" (unscaled) and "llama3"."""
     params = getattr(hf, "rope_parameters", None)
     source = "rope_parameters"
     if params is None:
@@ -42,20 +48,34 @@ def _rope(hf: Any) -> tuple[float, list[str]]:
     refusals = []
     # transformers < 4.45 named the rope type "type"; later versions keep both keys.
     key = "rope_type" if "rope_type" in params else "type"
-    if params.get(key, "default") != "default":
-        refusals.append(f"{source}.{key}={params[key]!r} is not implemented (this model's RoPE is "
-                        "unscaled: rope_type 'default')")
+    fields: dict = {}
+    if params.get(key) == "llama3":
+        missing = [k for k in LLAMA3_SCALING if params.get(k) is None]
+        if missing:
+            refusals.append(f"{source} of rope_type 'llama3' lacks {', '.join(missing)}")
+        fields = {"rope_scaling": "llama3", **{ours: params[k] for k, ours in LLAMA3_SCALING.items()
+                                                if params.get(k) is not None}}
+    elif params.get(key, "default") != "default":
+        refusals.append(f"{source}.{key}={params[key]!r} is not implemented (rope_type 'default' and "
+                        "'llama3' are)")
     if params.get("partial_rotary_factor") not in (None, 1, 1.0):
         refusals.append(f"{source}.partial_rotary_factor={params['partial_rotary_factor']!r} is not "
                         "implemented (RoPE rotates the whole head)")
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
-    return float(10000.0 if theta is None else theta), refusals
+    return {"rope_theta": float(10000.0 if theta is None else theta), **fields}, refusals
+
+
+def _hf_rope_scaling(cfg: ModelConfig) -> dict | None:
+    """transformers' ``rope_scaling`` for ours (None: unscaled)."""
+    if cfg.rope_scaling == "none":
+        return None
+    return {"rope_type": cfg.rope_scaling, **{k: getattr(cfg, ours) for k, ours in LLAMA3_SCALING.items()}}
 
 
 def _llama_family(hf: Any) -> tuple[ModelConfig, list[str]]:
     """Our config for a Llama-style HF config, with the fields it carries that this model would
     compute differently (the caller refuses them, with its own)."""
-    rope_theta, refusals = _rope(hf)
+    rope, refusals = _rope(hf)
     # Qwen3 and Llama before transformers 4.40 have no mlp_bias: their MLPs have no biases.
     attention_bias = bool(getattr(hf, "attention_bias", False))
     mlp_bias = bool(getattr(hf, "mlp_bias", False))
@@ -80,7 +100,7 @@ def _llama_family(hf: Any) -> tuple[ModelConfig, list[str]]:
         vocab_size=hf.vocab_size, vocab_multiple=1, n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size,
         ffn_hidden=hf.intermediate_size, max_seq_len=hf.max_position_embeddings,
-        position="rope", rope_theta=rope_theta, norm="rmsnorm", norm_eps=hf.rms_norm_eps,
+        position="rope", **rope, norm="rmsnorm", norm_eps=hf.rms_norm_eps,
         activation="swiglu", bias=attention_bias,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
     )
@@ -277,7 +297,8 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
-            use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings, **ids,
+            use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings,
+            rope_scaling=_hf_rope_scaling(cfg), **ids,
         )
         return hf_cfg, llama_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(
@@ -285,6 +306,6 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
-        tie_word_embeddings=cfg.tie_embeddings, **ids,
+        tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg), **ids,
     )
     return hf_cfg, llama_to_hf(sd, cfg)

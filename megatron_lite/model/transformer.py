@@ -107,9 +107,25 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return t - torch.where(starts, t, 0).cummax(dim=1).values
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (max_len, head_dim) in the half-split layout (Llama / HF ``rotate_half``)."""
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (``model.rope_scaling: llama3``): low frequencies divided by the
+    factor, high ones kept, those between blended by where their wavelength falls."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_len
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    blend = (original / wavelength - low) / (high - low)
+    between = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(between, (1 - blend) * scaled / factor + blend * scaled, scaled)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_len, head_dim) in the half-split layout (Llama / HF ``rotate_half``);
+    ``cfg``: its ``rope_scaling``, if any."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if cfg is not None and cfg.rope_scaling == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
     return angles.cos(), angles.sin()
@@ -300,7 +316,7 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         if self.rope_cos is not None and self.rope_cos.device.type != "meta":
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
-                                   self.cfg.rope_theta)
+                                   self.cfg.rope_theta, self.cfg)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

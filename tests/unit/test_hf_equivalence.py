@@ -55,8 +55,14 @@ def _tiny_gpt2_exact_gelu_untied() -> GPT2LMHeadModel:
     return _tiny_gpt2(activation_function="gelu", tie_word_embeddings=False)
 
 
-MODELS = [_tiny_llama, _tiny_llama_biased, _tiny_qwen3, _tiny_gpt2, _tiny_gpt2_exact_gelu_untied]
-IDS = ["llama-gqa", "llama-biased", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
+def _tiny_llama3_scaled() -> LlamaForCausalLM:
+    """Llama 3.1's RoPE scaling, its original context (16) well inside the tested lengths."""
+    return _tiny_llama(rope_scaling=LLAMA3_ROPE)
+
+
+MODELS = [_tiny_llama, _tiny_llama_biased, _tiny_llama3_scaled, _tiny_qwen3, _tiny_gpt2,
+          _tiny_gpt2_exact_gelu_untied]
+IDS = ["llama-gqa", "llama-biased", "llama3-rope-scaling", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
 
 
 def _perturbed(hf):
@@ -162,27 +168,44 @@ def _transformers4_llama(**fields) -> SimpleNamespace:
                               "rope_scaling": None, **fields})
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
 @pytest.mark.parametrize("make_config, named", [
-    (lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}),
-     "rope_parameters.rope_type='llama3' is not implemented"),
+    (lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **YARN}),
+     "rope_parameters.rope_type='yarn' is not implemented"),
     # An older config.json's rope_scaling: transformers 5 moves it into rope_parameters.
     # (transformers 4 keeps it as rope_scaling, and the message names the field it has.)
-    (lambda: LlamaConfig(**LLAMA, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
-     "rope_(parameters|scaling).rope_type='llama3' is not implemented"),
+    (lambda: LlamaConfig(**LLAMA, rope_theta=500000.0, rope_scaling=YARN),
+     "rope_(parameters|scaling).rope_type='yarn' is not implemented"),
     (lambda: LlamaConfig(**LLAMA, rope_scaling={"type": "linear", "factor": 2.0}),
      "rope_(parameters|scaling).rope_type='linear' is not implemented"),
-    (lambda: _transformers4_llama(rope_scaling=LLAMA3_ROPE),
-     "rope_scaling.rope_type='llama3' is not implemented"),
+    (lambda: _transformers4_llama(rope_scaling=YARN),
+     "rope_scaling.rope_type='yarn' is not implemented"),
     (lambda: _transformers4_llama(rope_scaling={"type": "dynamic", "factor": 2.0}),
      "rope_scaling.type='dynamic' is not implemented"),
+    (lambda: _transformers4_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "rope_scaling of rope_type 'llama3' lacks low_freq_factor, high_freq_factor, "
+     "original_max_position_embeddings"),
     (lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                    "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor=0.5 is not implemented"),
 ], ids=["rope_parameters", "rope_scaling-in-config.json", "old-type-key", "transformers4-rope_scaling",
-        "transformers4-type-key", "partial-rotary"])
+        "transformers4-type-key", "llama3-incomplete", "partial-rotary"])
 def test_scaled_or_partial_rope_is_refused_in_every_config_format(make_config, named):
     with pytest.raises(ValueError, match=named):
         config_from_hf(make_config())
+
+
+@pytest.mark.parametrize("make_config", [
+    lambda: LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}),
+    lambda: LlamaConfig(**LLAMA, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    lambda: _transformers4_llama(rope_scaling=LLAMA3_ROPE),
+], ids=["rope_parameters", "rope_scaling-in-config.json", "transformers4-rope_scaling"])
+def test_llama3_rope_scaling_is_read_from_every_config_format(make_config):
+    cfg = config_from_hf(make_config())
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_len, cfg.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 16, 500000.0)
 
 
 def test_unscaled_rope_theta_is_read_from_every_config_format():
@@ -192,13 +215,13 @@ def test_unscaled_rope_theta_is_read_from_every_config_format():
 
 
 def test_every_field_this_model_does_not_implement_is_named_in_one_line():
-    hf = LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE}, attention_bias=True,
+    hf = LlamaConfig(**LLAMA, rope_parameters={"rope_theta": 500000.0, **YARN}, attention_bias=True,
                      head_dim=16, hidden_act="gelu")
     with pytest.raises(ValueError) as err:
         config_from_hf(hf)
     message = str(err.value)
     assert "\n" not in message
-    for named in ("rope_parameters.rope_type='llama3'", "attention_bias=True with mlp_bias=False",
+    for named in ("rope_parameters.rope_type='yarn'", "attention_bias=True with mlp_bias=False",
                   "head_dim=16", "hidden_act='gelu'"):
         assert named in message
 
