@@ -38,6 +38,9 @@ class BlendEntry:
     """Prefix of one indexed dataset (``PREFIX.bin``/``PREFIX.idx``)."""
     weight: float = 1.0
     """Its share of the samples (weights are normalised over the blend)."""
+    name: Optional[str] = None
+    """The name its own validation loss is reported under (``val_loss/NAME``); null: the
+    prefix's file name."""
 
 
 @dataclass(frozen=True)

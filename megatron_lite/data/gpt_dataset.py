@@ -123,12 +123,14 @@ def split_bounds(n: int, shares: tuple[float, float, float]) -> list[int]:
 
 
 def token_splits(prefix: str, seq_length: int, shares: tuple[float, float, float], seed: int
-                 ) -> tuple[StreamSplit, StreamSplit]:
-    """Train (shuffled windows) and validation (windows in order) token ranges of a dataset."""
+                 ) -> tuple[StreamSplit, StreamSplit, StreamSplit]:
+    """Train (shuffled windows), validation and test (windows in order) token ranges of a
+    dataset."""
     n = IndexedDataset(prefix).n_tokens
     b = split_bounds(n, shares)
     return (StreamSplit(prefix, b[0], b[1], seq_length, True, seed),
-            StreamSplit(prefix, b[1], b[2], seq_length, False, seed))
+            StreamSplit(prefix, b[1], b[2], seq_length, False, seed),
+            StreamSplit(prefix, b[2], b[3], seq_length, False, seed))
 
 
 class DocumentSamples(torch.utils.data.Dataset):

@@ -1,9 +1,9 @@
-"""What the trainer gets from the data side: tokenizer and train/validation sample streams."""
+"""What the trainer gets from the data side: tokenizer and train/validation/test sample streams."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ from megatron_lite.data.gpt_dataset import (
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.tokenizers import Tokenizer, load_tokenizer
 
-SPLIT_NAMES = ("training", "validation")
+SPLIT_NAMES = ("training", "validation", "test")
 
 
 @dataclass
@@ -34,6 +34,10 @@ class DataSource:
     valid: torch.utils.data.Dataset
     num_workers: int
     pin_memory: bool
+    valid_sets: dict[str, torch.utils.data.Dataset] = field(default_factory=dict)
+    """Each blend entry's own validation split, by name (empty without a blend)."""
+    test: torch.utils.data.Dataset | None = None
+    """The test split (of the blend), where ``data.split`` gives it a share."""
 
     def loader(self, dataset, sampler: GlobalBatchSampler) -> Iterator[torch.Tensor]:
         """Endless iterator of (micro_batch, seq_length + 1) int64 token batches."""
@@ -76,6 +80,13 @@ def _split_dataset(cfg: DataConfig, split: int, num_samples: int, build: bool):
     return BlendedSamples(parts, which, nth)
 
 
+def blend_names(cfg: DataConfig) -> list[str]:
+    """The name each blend entry's validation loss is reported under: its ``name``, else its
+    prefix's file name (numbered where two would be the same)."""
+    names = [e.name or Path(e.prefix).name for e in cfg.blend]
+    return [f"{n}.{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
 def check_token_ids(prefix: str, vocab_size: int, tokenizer: str) -> None:
     """Refuse a dataset built with another tokenizer than the run's: its ids beyond the
     vocabulary would index past the embedding (an IndexError on CPU, a device-side assert on a
@@ -98,5 +109,11 @@ def build_data(cfg: DataConfig, train_samples: int, valid_samples: int,
     if build:  # once per run (the rank that builds the indices), before any sample is read
         for prefix in [cfg.prefix] if cfg.prefix else [e.prefix for e in cfg.blend]:
             check_token_ids(prefix, tokenizer.vocab_size, f"{cfg.tokenizer.type} {cfg.tokenizer.model}")
+    valid_sets = {}
+    if len(cfg.blend) > 1:  # the validation samples of each entry alone, as many as of the blend
+        valid_sets = {name: _one_dataset(cfg, entry.prefix, 1, valid_samples, build)
+                      for name, entry in zip(blend_names(cfg), cfg.blend, strict=True)}
+    test = _split_dataset(cfg, 2, valid_samples, build) if split_shares(cfg.split)[2] > 0 else None
     return DataSource(tokenizer, _split_dataset(cfg, 0, train_samples, build),
-                      _split_dataset(cfg, 1, valid_samples, build), cfg.num_workers, pin_memory)
+                      _split_dataset(cfg, 1, valid_samples, build), cfg.num_workers, pin_memory,
+                      valid_sets, test)

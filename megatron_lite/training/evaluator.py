@@ -43,7 +43,12 @@ class Evaluator:
         if not self.due(step, last):
             return None
         start = time.perf_counter()
-        val = self.loss()
+        val = self.loss(self.data.valid)
+        # Each blend entry's alone (Megatron reports one loss per validation set), and the test
+        # split once, at the end.
+        own = {f"val_loss/{name}": self.loss(dataset) for name, dataset in self.data.valid_sets.items()}
+        if last and self.data.test is not None:
+            own["test_loss"] = self.loss(self.data.test)
         try:
             text = self.sample()
         except CollectiveError:
@@ -52,21 +57,21 @@ class Evaluator:
             text = None
             self.log(f"warning: sampling at step {step} failed ({type(e).__name__}: {first_line(e)}); "
                      "training goes on")
-        record = {"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)),
+        record = {"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **own,
                   "consumed_samples": consumed_samples, "eval_ms": 1000.0 * (time.perf_counter() - start)}
         self.logger.log(record)
-        self.log(f"eval step {step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}")
+        self.log(f"eval step {step}: val_loss {val:.4f} | val_ppl {record['val_ppl']:.2f}"
+                 + "".join(f" | {key} {value:.4f}" for key, value in own.items()))
         if text is not None:
             self.logger.text("sample", text, step)
             self.log(f"sample at step {step}:\n{text}\n" + "-" * 40)
         return val, text
 
     @torch.no_grad()
-    def loss(self) -> float:
+    def loss(self, valid) -> float:
         """The mean loss over ``training.eval_iters`` global batches from the start of the
-        validation split (the same batches at every evaluation)."""
+        dataset ``valid`` (a validation or test split: the same batches at every evaluation)."""
         cfg, engine, device = self.cfg, self.parts.engine, self.parts.device
-        valid = self.data.valid
         sampler = GlobalBatchSampler(0, self.dims.global_batch(cfg), cfg.training.micro_batch_size,
                                      self.dims.dp_rank, self.dims.data, wrap=len(valid))
         batches = (torch.stack([valid[i] for i in idx]) for idx in sampler)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -233,10 +234,19 @@ def test_blend_of_two_datasets_trains_and_reuses_its_index_cache(tmp_path, sp_da
     args = ["recipes/quickstart.yaml", "data.prefix=null", blend, f"data.tokenizer.model={sp_data}/sp.model",
             "model.n_layers=1", "data.seq_length=32", "training.micro_batch_size=4",
             "training.global_batch_size=4", "training.iters=3", "training.eval_iters=1",
-            "training.sample_tokens=0", f"data.cache_dir={tmp_path}/cache", f"logging.dir={tmp_path}/run"]
-    check(run_pretrain(args))
+            "training.sample_tokens=0", f"data.cache_dir={tmp_path}/cache", f"logging.dir={tmp_path}/run",
+            'data.split="90,5,5"']
+    first = check(run_pretrain(args))
     manifests = sorted(p.name for p in (tmp_path / "cache").glob("*.json"))
-    assert len(manifests) == 6  # train and validation indices of each dataset, two blend orders
+    # Of each dataset: train, validation and test indices, and its validation alone; two blend
+    # orders (validation and test have as many samples: one order).
+    assert len(manifests) == 10, manifests
+    # One validation loss per dataset beside the blend's, and the test split's at the end.
+    (last,) = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    a, b = last["val_loss/a_text_document"], last["val_loss/b_text_document"]
+    assert a == b != last["val_loss"]  # two copies of one dataset; the blend interleaves them
+    assert math.isfinite(last["test_loss"]) and last["test_loss"] not in (a, last["val_loss"])
+    assert f"val_loss/a_text_document {a:.4f}" in first.stdout and "test_loss" in first.stdout
     check(run_pretrain(args))
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.json")) == manifests
 

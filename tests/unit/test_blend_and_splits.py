@@ -57,3 +57,12 @@ def test_blend_order_is_cached(tmp_path):
     for got in (which, again[0]):
         np.testing.assert_array_equal(got, expected[0])
     np.testing.assert_array_equal(again[1], expected[1])
+
+
+def test_each_blend_entry_is_reported_under_its_name():
+    from megatron_lite.config.schema import BlendEntry, DataConfig
+    from megatron_lite.data.source import blend_names
+
+    cfg = DataConfig(blend=[BlendEntry("/d/web_text_document"), BlendEntry("/e/web_text_document"),
+                            BlendEntry("/d/code_text_document", name="code")])
+    assert blend_names(cfg) == ["web_text_document.0", "web_text_document.1", "code"]
