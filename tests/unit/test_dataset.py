@@ -19,7 +19,7 @@ def prefix(tmp_path):
 
 
 def test_samples_are_contiguous_windows_across_documents(prefix):
-    train, valid = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
+    train, valid, _ = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
     ds = StreamDataset(train)
     for i in range(3 * len(ds)):  # three epochs
         s = ds[i].numpy()
@@ -29,10 +29,13 @@ def test_samples_are_contiguous_windows_across_documents(prefix):
     assert len(starts) == len(ds)  # an epoch never repeats a window
     v = StreamDataset(valid)
     assert all(v[i][0].item() >= train.end for i in range(len(v)))
+    _, valid, test = token_splits(prefix, 4, (0.6, 0.2, 0.2), 0)
+    t = StreamDataset(test)
+    assert len(t) > 0 and all(t[i][0].item() >= valid.end for i in range(len(t)))
 
 
 def test_epochs_reshuffle_and_shift_the_grid(prefix):
-    train, _ = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
+    train, _, _ = token_splits(prefix, 8, (0.8, 0.2, 0.0), 0)
     ds = StreamDataset(train)
     n = len(ds)
     e0 = [ds.start_of(i) for i in range(n)]
@@ -56,6 +59,6 @@ def test_sampler_resumes_and_splits_the_global_batch():
 
 
 def test_too_little_data_is_a_clear_error(prefix):
-    train, _ = token_splits(prefix, 200, (0.8, 0.2, 0.0), 0)
+    train, _, _ = token_splits(prefix, 200, (0.8, 0.2, 0.0), 0)
     with pytest.raises(ValueError, match="seq_length"):
         StreamDataset(train)
