@@ -31,7 +31,8 @@ class CheckpointContext:
     def topology(self) -> dict:
         d = self.dims
         return {"world_size": d.world_size, "tensor": d.tensor, "pipeline": d.pipeline, "data": d.data,
-                "ulysses": d.ulysses, "zero_stage": self.cfg.parallel.deepspeed_zero_stage}
+                "ulysses": d.ulysses, "context": d.context,
+                "zero_stage": self.cfg.parallel.deepspeed_zero_stage}
 
 
 def as_checkpoint_error(context: str) -> Callable[[Exception], BaseException]:

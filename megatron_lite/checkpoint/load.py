@@ -166,7 +166,8 @@ class CheckpointReader:
                              fail=as_checkpoint_error(f"checking {path}'s model failed"))
         states = {}
         error = None
-        same_layout = self.ctx.topology() == manifest["topology"]
+        # (Checkpoints from before context parallelism record none: they had one.)
+        same_layout = self.ctx.topology() == {"context": 1, **manifest["topology"]}
         try:
             # Only the files holding what this rank's parameters need (by the manifest's index
             # of fragments), rank 0's (the trainer's state) and, same layout, its own (its RNG):

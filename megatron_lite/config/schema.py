@@ -75,7 +75,10 @@ class DataConfig:
     """Leave the prediction made at each end-of-document token (of the next document's first
     token, which nothing before it can tell) out of the loss and its mean: Megatron's
     ``--eod-mask-loss``. Pairs with ``model.attention_mask: document``; needs the
-    end-of-document id (``model.eod_id`` or the tokenizer's)."""
+    end-of-document id (``model.eod_id`` or the tokenizer's). The loss is each micro-batch's
+    mean over the predictions it counts (whatever the sequence split), averaged over
+    micro-batches and data ranks as Megatron-DeepSpeed does: it moves a little with how the
+    global batch is cut into micro-batches (a micro-batch with nothing counted adds 0)."""
     num_workers: int = 1
     """Data-loader worker processes per rank (0 reads in the training process)."""
     seed: int = 1234

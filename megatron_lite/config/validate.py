@@ -162,6 +162,9 @@ def validate(cfg: Config) -> list[str]:
         need(s.decay_iters >= s.warmup_iters,
              f"'schedule.decay_iters' = {s.decay_iters} is before the end of warm-up "
              f"('schedule.warmup_iters' = {s.warmup_iters})")
+    if m.eod_id is not None:
+        need(m.eod_id >= 0, f"'model.eod_id' = {m.eod_id} must be a token id (0 or more), or null for "
+             "the tokenizer's end-of-document id")
     if m.rope_scaling != "none":
         need(m.position == "rope", f"'model.rope_scaling' = {m.rope_scaling} needs 'model.position' = rope "
              f"(it is {m.position})")

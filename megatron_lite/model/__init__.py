@@ -31,6 +31,10 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
     if used > vocab:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
     eod = cfg.eod_id if cfg.eod_id is not None else tokenizer_eod
+    if eod is not None and not 0 <= eod < used:
+        # An id no token has: no document would ever end (nor a loss be masked), without a word.
+        raise ValueError(f"model.eod_id={eod} is not a token id of this vocabulary (0..{used - 1}); set "
+                         "the id that ends each document in the data, or null for the tokenizer's")
     return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
                                max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
 

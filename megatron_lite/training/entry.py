@@ -79,6 +79,20 @@ def train_to_exit_status(cfg: Config, env: LaunchEnv | None = None,
     return status
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited")
+"""What gloo's and NCCL's errors say when the rank at the other end of a collective has exited."""
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank exited (not this rank's own
+    failure: no traceback of it is worth printing)."""
+    import torch.distributed as dist
+
+    network_error = getattr(dist, "DistNetworkError", None)
+    return (network_error is not None and isinstance(e, network_error)) or any(s in str(e) for s in PEER_LOST)
+
+
 def train_outcome(cfg: Config, env: LaunchEnv | None = None,
                   on_record: Callable[[dict[str, Any]], None] | None = None
                   ) -> tuple[int, str | None, bool]:
@@ -112,12 +126,14 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except OSError as e:  # the environment (a path, a permission, a full disk): no traceback
         return 1, f"rank {(env or detect()).rank}: {first_line(e)}", True
     except Exception as e:  # unexpected: the traceback for a report, then the one-line reason
-        import traceback
-
-        traceback.print_exc()
         # The launcher's rank: the process groups are already torn down here (run's cleanup).
         rank = (env or detect()).rank
         reason = f"{type(e).__name__}: {first_line(e)}"
+        if lost_a_peer(e):  # another rank ended first, and printed its own reason
+            return 1, f"rank {rank}: another rank stopped first (its line says why): {reason}", True
+        import traceback
+
+        traceback.print_exc()
         if isinstance(e, dist.DistError) or "timed out" in reason.lower():
             # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
             reason = (f"a collective failed (distributed.timeout_minutes="

@@ -41,3 +41,22 @@ def test_a_sigterm_while_the_reason_is_printed_does_not_replace_it(monkeypatch, 
                     master_port=29500, launcher="torchrun")
     assert entry.train_to_exit_status(cfg, env) == 1
     assert printed == ["error: rank 1 failed during opening the dataset"]
+
+
+def test_a_rank_whose_peer_exited_says_so_in_one_line(monkeypatch, capsys, restore_signal_handlers):
+    """When one rank fails alone, the others fail inside a collective whose peer is gone: their
+    line says so (the failing rank's own line says why), with no traceback of the collective."""
+    import megatron_lite.training.run as run_module
+
+    def peer_gone(cfg, env, on_record):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:56000. "
+                           "This is typically caused by a remote worker crashing.")
+
+    monkeypatch.setattr(run_module, "run", peer_gone)
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [])
+    env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="127.0.0.1",
+                    master_port=29500, launcher="torchrun")
+    status, reason, _ = entry.train_outcome(cfg, env)
+    assert status == 1 and reason.startswith("rank 0: another rank stopped first (its line says why): "
+                                             "RuntimeError: Connection closed by peer")
+    assert "Traceback" not in capsys.readouterr().err

@@ -150,6 +150,7 @@ def test_attention_dropout_differs_per_tensor_rank_and_replays():
     (["model.rope_scaling=llama3"], "'model.rope_scaling' = llama3 needs 'model.position' = rope"),
     (["model.rope_scaling=llama3", "model.position=rope", "model.rope_high_freq_factor=0.5"],
      "0 < rope_low_freq_factor (1.0) < rope_high_freq_factor (0.5)"),
+    (["model.eod_id=-100"], "'model.eod_id' = -100 must be a token id (0 or more)"),
     (["schedule.decay_fraction=0"], "'schedule.decay_fraction' = 0.0 must be in (0, 1]"),
     (["parallel.offload_optimizer=cpu"], "needs 'parallel.zero_stage' 1, 2 or 3"),
     (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "offload_params' = cpu needs ZeRO-3"),
