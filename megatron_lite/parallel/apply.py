@@ -18,7 +18,7 @@ from torch import nn
 import megatron_lite.parallel.comm as comm
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.distributed.device import DeviceKernels
-from megatron_lite.distributed.parallel_dims import ParallelDims
+from megatron_lite.distributed.parallel_dims import ParallelDims, TopologyError
 from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine.internals import KEPT_BY_SELECTIVE
 from megatron_lite.engine.versions import ulysses_head_problems
@@ -100,8 +100,8 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
         # With tensor parallelism this rank's heads are its tensor slice's: the all-to-all
         # splits those over the Ulysses ranks.
         problems = ulysses_head_problems(attn.n_heads, attn.n_kv_heads, dims.ulysses, dims.tensor)
-        if problems:
-            raise ValueError("; ".join(problems))
+        if problems:  # the same on every rank: said once
+            raise TopologyError("; ".join(problems))
         attn.core = UlyssesAttention(attn.core, dims.group("ulysses"))
 
 
