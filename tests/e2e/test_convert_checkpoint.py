@@ -174,10 +174,28 @@ def _older_config_json(hf_dir):
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["rope_parameters", "rope_scaling"])
-def test_llama3_rope_scaling_is_refused_in_one_line_naming_it(tmp_path, older):
-    _save_tiny_llama(tmp_path / "hf", rope_parameters=LLAMA3_ROPE)
+def test_llama3_rope_scaling_imports_and_exports_with_the_same_logits(tmp_path, older):
+    """Llama 3.1 and later (rope_type llama3), from config.json as transformers 5 and 4 write it."""
+    from transformers import AutoModelForCausalLM
+
+    original = _save_tiny_llama(tmp_path / "hf", rope_parameters=LLAMA3_ROPE)
     if older:
         _older_config_json(tmp_path / "hf")
+    _convert("--from", "hf", str(tmp_path / "hf"), str(tmp_path / "ck"))
+    _convert("--to", "hf", str(tmp_path / "ck"), str(tmp_path / "back"))
+    exported = json.loads((tmp_path / "back/config.json").read_text())
+    rope = exported.get("rope_parameters") or {**exported["rope_scaling"],
+                                               "rope_theta": exported["rope_theta"]}
+    assert {k: rope[k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, original(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_rope_scaling_not_implemented_is_refused_in_one_line_naming_it(tmp_path):
+    _save_tiny_llama(tmp_path / "hf", rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0,
+                                                       "factor": 4.0, "original_max_position_embeddings": 16})
     proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--from", "hf",
                            str(tmp_path / "hf"), str(tmp_path / "ck")], cwd=REPO, env=cpu_env(),
                           capture_output=True, text=True, timeout=120)
@@ -185,5 +203,5 @@ def test_llama3_rope_scaling_is_refused_in_one_line_naming_it(tmp_path, older):
     # Only the last line is ours: importing transformers may log warnings of its own first.
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {tmp_path / 'hf'}: "), proc.stderr
-    assert "rope_parameters.rope_type='llama3' is not implemented" in last, proc.stderr
+    assert "rope_parameters.rope_type='yarn' is not implemented" in last, proc.stderr
     assert not (tmp_path / "ck").exists()

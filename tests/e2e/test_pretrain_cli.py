@@ -99,8 +99,9 @@ def test_a_tokenizer_that_cannot_be_sized_is_one_line_for_plan_and_dry_run(tmp_p
          "does not exist yet"),
         (str(broken), [f"{broken / 'tokenizer.json'}: Expecting value: line 1 column 1"], "Traceback"),
     )
-    for flag, status in (("--dry-run", 1), ("--plan", 2)):
-        for model, says, never in cases:
+    # --plan sizes the vocabulary through --dry-run's code: one case of it shows it refuses too.
+    for flag, status, which in (("--dry-run", 1, cases), ("--plan", 2, cases[:1])):
+        for model, says, never in which:
             proc = run_pretrain(["recipes/gpt2-124m.yaml", flag, "data.tokenizer.vocab_size=null",
                                  f"data.tokenizer.model={model}"], env=env, timeout=120)
             assert proc.returncode == status, (flag, model, proc.stdout, proc.stderr)

@@ -89,11 +89,13 @@ def ray_node(address: str, cpus: int, records: Path, env: dict[str, str],
                             start_new_session=True)
     try:
         assert node.stdout is not None
+        said = []
         for line in node.stdout:
+            said.append(line)
             if "Ray runtime started" in line:
                 break
         else:
-            raise AssertionError("the Ray node did not start")
+            raise AssertionError("the Ray node did not start:\n" + "".join(said[-40:]))
         threading.Thread(target=node.stdout.read, daemon=True).start()  # its pipe never fills
         yield
     finally:
