@@ -31,22 +31,21 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
     if used > vocab:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
     eod = cfg.eod_id if cfg.eod_id is not None else tokenizer_eod
-    if eod is not None and not 0 <= eod < used:
-        # An id no token has: no document would ever end (nor a loss be masked), without a word.
-        raise ValueError(f"model.eod_id={eod} is not a token id of this vocabulary (0..{used - 1}); set "
-                         "the id that ends each document in the data, or null for the tokenizer's")
     return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
                                max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
 
 
 def require_document_end(cfg: ModelConfig, eod_mask_loss: bool) -> None:
     """Refuse the settings that need the id that ends each document when the resolved model
-    (``resolve_model``, given the tokenizer's) has none."""
-    if cfg.eod_id is not None:
-        return
+    (``resolve_model``, given the tokenizer's) has none, or one outside its vocabulary."""
     needs = ([f"model.attention_mask={cfg.attention_mask}"] if cfg.attention_mask == "document" else []) \
         + (["data.eod_mask_loss=true"] if eod_mask_loss else [])
-    if needs:
+    used = cfg.tokenizer_vocab_size or cfg.vocab_size
+    if needs and cfg.eod_id is not None and not 0 <= cfg.eod_id < used:
+        # An id no token has: no document would ever end (nor a loss be masked), without a word.
+        raise ValueError(f"model.eod_id={cfg.eod_id} is not a token id of this vocabulary (0..{used - 1}); "
+                         "set the id that ends each document in the data, or null for the tokenizer's")
+    if needs and cfg.eod_id is None:
         verb = "need" if len(needs) > 1 else "needs"
         raise ValueError(f"{' and '.join(needs)} {verb} the id that ends each document, but the tokenizer "
                          "has none (a character tokenizer, say): set model.eod_id, or leave them off")
