@@ -76,6 +76,10 @@ MUTATIONS = [
              "if cfg.parallel.deepspeed_zero_stage != 3 or cfg.model.fp8:", "if True:",
              ("tests/distributed/test_partitioned_init.py::"
               "test_a_zero3_rank_never_holds_more_than_its_share_and_one_parameter",)),
+    Mutation("init-from-ignored-by-stages", "checkpoint.init_from's weights reach every pipeline stage",
+             "megatron_lite/parallel/build.py", "materialize(model, cfg, device, seed, initial=initial),",
+             "materialize(model, cfg, device, seed),",
+             ("tests/e2e/test_init_from.py::test_every_layout_starts_from_the_hf_weights",)),
 ]
 
 

@@ -397,6 +397,13 @@ class CheckpointConfig:
     """Steps between saves (0: only at the end, when ``dir`` is set)."""
     resume: bool = True
     """Resume from the latest checkpoint in ``dir`` when there is one."""
+    init_from: Optional[str] = None
+    """Start from the weights of another model: a checkpoint of this project (a step directory,
+    or a ``checkpoint.dir`` whose ``latest`` names one) or a Hugging Face model directory (Llama,
+    Qwen3, GPT-2). Weights only: step 0, a fresh optimizer and schedule, data from the start; any
+    layout. The recipe's model must fit the weights (every mismatching parameter or field is
+    refused at once); RoPE's base and scaling may differ (a context extension). A run that has
+    its own checkpoint in ``dir`` resumes from it and ignores this (said in the log)."""
     keep_last: int = 3
     """Keep the newest this many checkpoints (0: keep all); older ones are deleted only after a
     newer one is committed."""

@@ -43,6 +43,9 @@ from megatron_lite.parallel.tensor_parallel import (
 )
 from megatron_lite.parallel.ulysses import HeldPositions, SequenceMeanLoss, UlyssesAttention
 
+InitialValue = Callable[[str, tuple[int, ...]], torch.Tensor]
+"""A parameter's full value in the plain model from its name and full shape."""
+
 
 class ScatterSequence(nn.Module):
     """Keeps this tensor rank's slice of the sequence (entering the sequence-parallel region)."""
@@ -146,9 +149,10 @@ def parallelize(model: Transformer, dims: ParallelDims) -> Transformer:
 @torch.no_grad()
 def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str, seed: int,
                 partition: Callable[[nn.Parameter], None] | None = None,
-                dtype: torch.dtype | None = None) -> nn.Module:
+                dtype: torch.dtype | None = None, initial: InitialValue | None = None) -> nn.Module:
     """Replace ``module``'s meta parameters by ones on ``device``, each filled with its slice of
-    the plain model's initial value. (``Module.to_empty`` would make a tied weight two
+    the plain model's initial value (``initial(name, full_shape)`` where given: weights read from
+    another model, ``checkpoint.init_from``). (``Module.to_empty`` would make a tied weight two
     parameters and drop the attributes set by ``parallelize``.) ``partition``: called on each
     parameter once it is filled (ZeRO-3's partitioned initialisation keeps only this rank's
     part, so the rank never holds more than its parts and one whole parameter); ``dtype``: the
@@ -162,7 +166,9 @@ def materialize(module: nn.Module, cfg: ModelConfig, device: torch.device | str,
                 new.__dict__.update(old.__dict__)  # the ShardSpec and DeepSpeed's marks
                 where = spec(new)
                 # Drawn whole on the host; only this rank's slice goes to the device.
-                new.copy_(where.local(initial_value(cfg, where.name, where.full_shape, seed)))
+                full = (initial(where.name, where.full_shape) if initial is not None
+                        else initial_value(cfg, where.name, where.full_shape, seed))
+                new.copy_(where.local(full))
                 comm.register_gradient_sum(new)
                 if partition is not None:
                     partition(new)

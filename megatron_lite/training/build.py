@@ -19,7 +19,13 @@ from megatron_lite.engine.initialize import build_engine, partitioned_init
 from megatron_lite.model import flops_per_token, require_document_end, resolve_model
 from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
-from megatron_lite.parallel.apply import compile_blocks, use_device_kernels, use_loss_kernel, use_loss_mask
+from megatron_lite.parallel.apply import (
+    InitialValue,
+    compile_blocks,
+    use_device_kernels,
+    use_loss_kernel,
+    use_loss_mask,
+)
 from megatron_lite.parallel.random import rank_seed
 from megatron_lite.training.step import StepRunner, UpdateGate
 from megatron_lite.training.timing import NoClock
@@ -76,11 +82,12 @@ def unfused_wrapper_note(cfg: Config, device_type: str) -> str | None:
 
 
 def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
-          eod: int | None = None) -> Components:
+          eod: int | None = None, initial: InitialValue | None = None) -> Components:
     """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``)
-    and the tokenizer's end-of-document id ``eod`` (None: ``model.eod_id``), put the device's
-    and the recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine,
-    whose schedule plans for ``iters`` steps."""
+    and the tokenizer's end-of-document id ``eod`` (None: ``model.eod_id``), from the weights
+    ``initial`` gives by name (None: the seeded initial values), put the device's and the
+    recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine, whose
+    schedule plans for ``iters`` steps."""
     problem = devmod.float8_problem(acc) if cfg.model.fp8 else None
     if problem:  # before anything is built
         raise ValueError(problem)
@@ -90,7 +97,7 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
     zero_partition, dtype = partitioned_init(cfg, dims)
     model = build_parallel_model(model_cfg, dims, acc.current_device_name(), cfg.training.seed,
                                  cfg.parallel.pipeline_partition, cfg.parallel.tile_factor,
-                                 zero_partition, dtype, dims.grad_accumulation(cfg))
+                                 zero_partition, dtype, dims.grad_accumulation(cfg), initial)
     if cfg.data.eod_mask_loss:
         use_loss_mask(model)
     device_type = acc.device_name()

@@ -101,6 +101,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     import torch.distributed as dist
 
     from megatron_lite.checkpoint import CheckpointError
+    from megatron_lite.checkpoint.init_from import InitFromError
     from megatron_lite.distributed import TopologyError, detect
     from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.distributed.cpu_extensions import StaleBuildLock
@@ -119,7 +120,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except Stopped as e:
         return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
-    except TopologyError as e:  # the same on every rank
+    except (TopologyError, InitFromError) as e:  # the same on every rank
         return 2, str(e), False
     except (ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
         return 1, str(e), True

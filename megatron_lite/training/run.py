@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lite.checkpoint import Checkpointer
+from megatron_lite.checkpoint.init_from import InitialWeights, load_initial_weights, own_checkpoint
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.data.build import ensure_dataset
@@ -64,6 +65,22 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
 
 
+def _initial_weights(cfg: Config, model_cfg: ModelConfig, dims, log) -> InitialWeights | None:
+    """The weights of ``checkpoint.init_from``, None without it or when the run resumes from
+    its own checkpoint instead (rank 0 decides, so every rank builds the same way)."""
+    if cfg.checkpoint.init_from is None:
+        return None
+    own = on_one_rank_then_all(lambda: own_checkpoint(cfg.checkpoint.dir, cfg.checkpoint.resume), dims,
+                               f"looking for a checkpoint in {cfg.checkpoint.dir}", share=True)
+    if own is not None:
+        log(f"checkpoint.init_from={cfg.checkpoint.init_from} is ignored: the run resumes from its "
+            f"own checkpoint {own}")
+        return None
+    return on_every_rank(lambda: load_initial_weights(cfg.checkpoint.init_from, model_cfg,
+                                                      log),
+                         dims, f"reading checkpoint.init_from={cfg.checkpoint.init_from}")
+
+
 def run(cfg: Config, env: LaunchEnv | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Train ``cfg`` in the launch environment ``env`` (default: detected from the launcher's
@@ -108,7 +125,10 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     if expected is not None and expected != data.tokenizer.vocab_size:
         log(f"warning: data.tokenizer.vocab_size={expected}, but the tokenizer has "
             f"{data.tokenizer.vocab_size} ids: the run uses {data.tokenizer.vocab_size}")
-    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters, data.tokenizer.eod_id)
+    initial = _initial_weights(cfg, model_cfg, dims, log)
+    parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters, data.tokenizer.eod_id,
+                  initial.value if initial is not None else None)
+    del initial  # the host copy of the source's weights, no longer needed
     for note in parts.notes:
         log(note)
     for limitation in deepspeed_limitations(cfg.training.precision, cfg.parallel.deepspeed_zero_stage):

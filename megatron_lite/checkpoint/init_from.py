@@ -1,0 +1,133 @@
+"""``checkpoint.init_from``: a run's first weights from another model (a checkpoint of this
+project or a Hugging Face directory), with nothing else of it: step 0, a fresh optimizer and
+schedule, data from the start (torchtitan's ``initial_load_model_only``, Megatron's
+``--finetune --no-load-optim --no-load-rng``).
+
+The weights are read whole, on the host, by every rank; ``materialize`` then copies each rank's
+slice of each parameter, so every layout (tensor, pipeline, ZeRO-3, HSDP, tiling) starts from
+them exactly as it starts from the seeded initial values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_lite.checkpoint import store
+from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model import build_model
+from megatron_lite.model.transformer import VOCAB_PARAMETERS
+
+# Fields that change what the same weights compute without changing their shapes. A source
+# that differs from the run in one of these would train silently on another model, so the
+# difference is refused; RoPE's base and scaling are the exception: changing them on purpose is
+# how a context is extended (a larger rope_theta, llama3 scaling), so they are only reported.
+SAME_REQUIRED = ("activation", "norm", "position", "norm_eps", "bias", "qk_norm", "tie_embeddings")
+MAY_CHANGE = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+              "rope_high_freq_factor", "rope_original_max_len", "max_seq_len")
+
+
+class InitFromError(ValueError):
+    """``checkpoint.init_from`` names no model, or one whose weights this run's model cannot take."""
+
+
+@dataclass
+class InitialWeights:
+    """The source's full weights by plain-model name, and what the log says about them."""
+
+    weights: dict[str, torch.Tensor]
+    notes: list[str]
+
+    def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """The full initial value of parameter ``name`` of ``shape``: the source's, its
+        vocabulary rows padded with zeros to the run's padded vocabulary."""
+        w = self.weights[name]
+        if name in VOCAB_PARAMETERS and w.shape[0] < shape[0]:
+            w = torch.cat([w, w.new_zeros(shape[0] - w.shape[0], *w.shape[1:])])
+        return w
+
+
+def is_hf_directory(path: Path) -> bool:
+    return (path / "config.json").is_file() and not (path / store.MANIFEST).is_file()
+
+
+def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The source model's config and full fp32 weights by plain-model name (a tied model has no
+    ``lm_head.weight``)."""
+    if not path.exists():
+        raise InitFromError(f"checkpoint.init_from={str(path)!r} does not exist (give a checkpoint "
+                            "directory of this project, a checkpoint.dir, or a Hugging Face model directory)")
+    if is_hf_directory(path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from megatron_lite.model.hf_convert import config_from_hf, from_hf
+
+        config_from_hf(AutoConfig.from_pretrained(path))  # refused from the config, before the weights
+        cfg, sd = from_hf(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        if cfg.tie_embeddings:
+            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+        return cfg, {k: v.detach().float().contiguous() for k, v in sd.items()}
+    from megatron_lite.checkpoint.convert import read_model
+
+    _, cfg, weights = read_model(path)
+    return cfg, weights
+
+
+def mismatches(source: ModelConfig, weights: dict[str, torch.Tensor], run: ModelConfig) -> list[str]:
+    """Every reason the run's model (resolved: padded vocabulary, tokenizer rows) cannot start
+    from ``weights``: each missing, extra or differently shaped parameter, and each field of
+    ``SAME_REQUIRED`` that differs, one line each."""
+    problems = [f"model.{f}={getattr(run, f)!r}, the source's is {getattr(source, f)!r}"
+                for f in SAME_REQUIRED if getattr(run, f) != getattr(source, f)]
+    expected = {name: tuple(p.shape) for name, p in build_model(run, device="meta").named_parameters()}
+    used = run.tokenizer_vocab_size or run.vocab_size
+    for name in sorted(expected.keys() | weights.keys()):
+        if name not in weights:
+            problems.append(f"{name} {expected[name]}: not in the source")
+        elif name not in expected:
+            problems.append(f"{name} {tuple(weights[name].shape)}: in the source, not in this model")
+        elif name in VOCAB_PARAMETERS:
+            rows, want = tuple(weights[name].shape), expected[name]
+            if rows[1:] != want[1:] or not used <= rows[0] <= want[0]:
+                problems.append(f"{name} {rows} in the source, this model's is {want} with {used} "
+                                "tokenizer rows (the source's rows must cover the tokenizer's and fit "
+                                "the padded vocabulary)")
+        elif tuple(weights[name].shape) != expected[name]:
+            problems.append(f"{name} {tuple(weights[name].shape)} in the source, {expected[name]} here")
+    return problems
+
+
+def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]) -> InitialWeights:
+    """The weights of ``checkpoint.init_from`` for the resolved model ``run``, checked: every
+    mismatch is refused at once, in one error listing all of them."""
+    source_path = Path(path)
+    source, weights = read_source(source_path)
+    problems = mismatches(source, weights, run)
+    if problems:
+        listed = "\n  ".join(problems)
+        raise InitFromError(f"checkpoint.init_from={path!r} does not fit this run's model "
+                            f"({len(problems)} problem(s)); set the recipe's model fields to the "
+                            f"source's:\n  {listed}")
+    notes = [f"init_from: model.{f}={getattr(run, f)!r} here, {getattr(source, f)!r} in the source "
+             "(this run's value is used)" for f in MAY_CHANGE if getattr(run, f) != getattr(source, f)]
+    kind = "Hugging Face model" if is_hf_directory(source_path) else "checkpoint"
+    log(f"init_from: weights of the {kind} {path} ({len(weights)} tensors); step 0, a fresh "
+        "optimizer and schedule, data from the start")
+    for note in notes:
+        log(note)
+    return InitialWeights(weights, notes)
+
+
+def own_checkpoint(checkpoint_dir: str | None, resume: bool) -> Path | None:
+    """The checkpoint a run resumes from instead of ``init_from`` (``latest`` in its
+    ``checkpoint.dir``), None when it starts fresh."""
+    if not (checkpoint_dir and resume):
+        return None
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return None
+    latest = store.read_latest(root)
+    return latest if latest is not None else (store.committed_steps(root) or [None])[0]
