@@ -80,6 +80,9 @@ MUTATIONS = [
              "megatron_lite/parallel/build.py", "materialize(model, cfg, device, seed, initial=initial),",
              "materialize(model, cfg, device, seed),",
              ("tests/e2e/test_init_from.py::test_every_layout_starts_from_the_hf_weights",)),
+    Mutation("new-phase-ignored", "a new data phase reads the new data from its first sample",
+             "megatron_lite/training/trainer.py", '        if phase["start"] > 0:', "        if False:",
+             ("tests/e2e/test_data_phases.py::test_a_new_phase_reads_the_new_data_from_its_first_sample",)),
 ]
 
 

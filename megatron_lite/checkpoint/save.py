@@ -44,7 +44,7 @@ class CheckpointWriter:
             state["trainer"] = {**EngineState(self.engine).state_dict(), "extra": extra}
         return state
 
-    def _manifest(self, step: int, consumed_samples: int, files: list[dict]) -> dict:
+    def _manifest(self, step: int, consumed_samples: int, files: list[dict], phases: list | None) -> dict:
         import deepspeed
 
         return {
@@ -53,7 +53,9 @@ class CheckpointWriter:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "topology": self.ctx.topology(),
             "model": architecture(self.ctx.model_cfg),
-            "data": {"seq_length": self.cfg.data.seq_length, "tokenizer": self.cfg.data.tokenizer.type},
+            "data": {"seq_length": self.cfg.data.seq_length, "tokenizer": self.cfg.data.tokenizer.type,
+                     # The data phases, as the trainer's state holds them: for a reader of the manifest.
+                     **({"phases": phases} if phases is not None else {})},
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "python": platform.python_version()},
             "files": files,
@@ -153,7 +155,8 @@ class CheckpointWriter:
         if not failed and rank == 0:
             try:
                 files = [{k: e[k] for k in ("name", "bytes", "sha256", "fragments")} for e in entries]
-                store.commit(root, tmp, self._manifest(step, consumed_samples, files))
+                phases = ((snapshot or {}).get("trainer", {}).get("extra") or {}).get("data_phases")
+                store.commit(root, tmp, self._manifest(step, consumed_samples, files, phases))
             except Exception as e:  # rank 0 alone: reported on every rank by the broadcast below
                 failed = [f"committing: {type(e).__name__}: {e}"]
             else:

@@ -83,6 +83,12 @@ class DataConfig:
     """Data-loader worker processes per rank (0 reads in the training process)."""
     seed: int = 1234
     """Seed of the sample shuffle (independent of ``training.seed``)."""
+    on_resume: str = choice("check", "new_phase")
+    """When a resumed checkpoint was trained on other data (another ``prefix`` or ``blend``,
+    other weights, ``split`` or ``seed``; a dataset is known by its file name and size):
+    ``check`` refuses the resume, naming each difference; ``new_phase`` starts a data phase at
+    the samples already consumed, reading the new data from its first sample (Megatron's phase
+    transitions). Phases are recorded in every checkpoint; spike records name the phase."""
 
 
 @dataclass(frozen=True)

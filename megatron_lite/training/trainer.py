@@ -21,6 +21,7 @@ import torch
 from megatron_lite.checkpoint import Checkpointer, Loaded
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
+from megatron_lite.data.phases import DataPhaseError, PhaseDataset, first_phase, phases_at_resume
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import mean_over_ranks, on_every_rank, on_one_rank_then_all
@@ -33,6 +34,7 @@ from megatron_lite.training.control import RunControl
 from megatron_lite.training.evaluator import Evaluator
 from megatron_lite.training.monitor import SlowdownMonitor, StragglerCheck
 from megatron_lite.training.profiling import StepProfiler
+from megatron_lite.training.rollback import roll_back
 from megatron_lite.training.saving import SavePolicy
 from megatron_lite.training.step import UpdateGate
 from megatron_lite.training.step_report import PendingReport, StepReport
@@ -86,6 +88,8 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.data.seq_length
         self.peak = devmod.peak_flops(devmod.device_name(parts.acc), cfg.training.precision)
         self.state = TrainState()
+        self.phases = first_phase(cfg.data)
+        self.base_train = data.train  # the current phase's dataset, before any phase offset
         locate = getattr(data.train, "locate", None)
         self.spikes = SpikeTracker(cfg.spikes, logger.run_dir, dims.is_main, locate, log, logger)
         self.control = RunControl(cfg, dims)
@@ -109,7 +113,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own state saved with each checkpoint (the checkpointer saves the engine's
         and each rank's random state, ``checkpoint/run_state.py``): the spike tracker's."""
-        return {"spikes": self.spikes.state_dict()}
+        return {"spikes": self.spikes.state_dict(), "data_phases": self.phases}
 
     def maybe_resume(self) -> None:
         """Claim the checkpoint directory, then resume from its latest checkpoint (when there is
@@ -129,12 +133,28 @@ class Trainer:
         on_every_rank(lambda: self.spikes.resume(extra.get("spikes"), log, history), self.dims,
                       f"repairing {self.spikes.path}")
         if loaded is not None:
+            self.phases = phases_at_resume(extra.get("data_phases"), self.cfg.data, loaded.step,
+                                           loaded.consumed_samples, str(loaded.path), self.log)
+            self._use_phase()
             self._continue_from(loaded)
+
+    def _use_phase(self) -> None:
+        """Training reads the current data phase's samples (the run's sample ``i`` is the
+        phase's ``i - start``)."""
+        phase = self.phases[-1]
+        if phase["start"] > 0:
+            self.data.train = PhaseDataset(self.base_train, phase["phase"], phase["start"])
+            self.spikes.locate = self.data.train.locate
 
     def _continue_from(self, loaded: Loaded) -> None:
         """The run goes on from ``loaded`` (a resume or a rollback; the spike tracker's state is
         restored by each in its own way): its step, and its data position past the skipped
         windows."""
+        start = self.phases[-1]["start"]
+        if loaded.consumed_samples < start:
+            raise DataPhaseError(f"{loaded.path} (sample {loaded.consumed_samples}) is from before data "
+                                 f"phase {self.phases[-1]['phase']}, which starts at sample {start}: "
+                                 "a rollback does not go back across a change of data")
         position = past_skipped(loaded.consumed_samples, self.spikes.skip)
         self.state.load_state_dict({"step": loaded.step, "consumed_samples": position})
         self.saves.restored(loaded.step, loaded.consumed_samples)
@@ -292,47 +312,8 @@ class Trainer:
         return self.step_runner.train_step(batches, self.device)
 
     def rollback(self, spike: StepContext) -> bool:
-        """Collective. Reload the newest checkpoint at least ``spikes.rollback.min_steps_back``
-        steps before the ``spike`` step and skip the data up to it plus ``skip_batches``; False
-        (the step stays skipped) when there is no such checkpoint."""
-        rb = self.cfg.spikes.rollback
-        spike_step = spike.step
-        if self.checkpointer is None:
-            return False
-        self.saves.finish()
-        found = self.checkpointer.rollback_target(spike_step - rb.min_steps_back)
-        if found is None:
-            self.spikes.record_note("rollback_unavailable", f"no committed checkpoint at or before step "
-                                    f"{spike_step - rb.min_steps_back}; the step was skipped instead")
-            return False
-        if self.spikes.rollbacks >= rb.max_rollbacks:
-            message = (f"a rollback is needed at step {spike_step} but spikes.rollback.max_rollbacks="
-                       f"{rb.max_rollbacks} were used; the data or the settings need a look (see "
-                       f"{self.spikes.path}; raise max_rollbacks to go on)")
-            self.spikes.record_note("stop", message)
-            raise SpikeStop(message)
-        target, to_step, position = found
-        window = self.spikes.rollback_window(position, spike.consumed_after)
-        # The data indices were planned for a budget of rollbacks (run.train_samples) assuming
-        # saves every save_interval; after failed saves the target can be further back and the
-        # window longer. Past the planned samples every rank would fail at a different moment.
-        resume_at = past_skipped(position, [*self.spikes.skip, window])
-        end = resume_at + (self.total_iters - to_step) * self.global_batch
-        if end > len(self.data.train):
-            self.spikes.record_note("rollback_unavailable", (
-                f"rolling back to step {to_step} and skipping samples {window[0]}..{window[1] - 1} "
-                f"would need {end} training samples, beyond the {len(self.data.train)} planned; "
-                "the step was skipped instead"))
-            return False
-        self.checkpointer.record_rollback({"rollbacks": self.spikes.rollbacks + 1, "step": spike_step,
-                                           "to_step": to_step, "skip_samples": list(window)})
-        self.checkpointer.abandon_after(target, f"rollback{self.spikes.rollbacks + 1}")
-        loaded = self.checkpointer.load(target)
-        assert loaded is not None
-        self.spikes.record_rollback(loaded.step, str(target), window)
-        self.spikes.restore_statistics((loaded.extra or {}).get("spikes"))
-        self._continue_from(loaded)
-        return True
+        """Collective. See ``training/rollback.py``."""
+        return roll_back(self, spike)
 
     def _train_record(self, loss_sum: torch.Tensor, loss_steps: torch.Tensor, lr: float) -> dict:
         """The log interval's record: ``loss_sum`` over ``loss_steps`` applied steps. The loss
