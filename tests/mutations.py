@@ -83,6 +83,11 @@ MUTATIONS = [
     Mutation("new-phase-ignored", "a new data phase reads the new data from its first sample",
              "megatron_lite/training/trainer.py", '        if phase["start"] > 0:', "        if False:",
              ("tests/e2e/test_data_phases.py::test_a_new_phase_reads_the_new_data_from_its_first_sample",)),
+    Mutation("ramp-boundary", "a batch ramp-up's steps accumulate exactly their micro-batches",
+             "megatron_lite/training/step.py",
+             "                engine.set_gradient_accumulation_boundary(last)", "                pass",
+             ("tests/e2e/test_batch_rampup.py::"
+              "test_a_ramped_run_trains_megatrons_batches_in_every_layout_and_resumes_exactly",)),
 ]
 
 

@@ -133,7 +133,7 @@ def _architecture_problem(cfg: ModelConfig, assembler: Assembler) -> str | None:
 def _deciding(name: str) -> tuple[str, ...]:
     """The model fields that decide whether parameter ``name`` exists and its shape."""
     rules = (("lm_head.", ("tie_embeddings",)), ("pos_emb.", ("position", "max_seq_len")),
-             ("norm.bias", ("norm", "bias")), (".bias", ("bias",)),
+             ("norm.bias", ("norm", "bias")), (".bias", ("bias", "qkv_bias")),
              ("q_norm.", ("qk_norm", "n_heads")), ("k_norm.", ("qk_norm", "n_heads")),
              ("gate_proj.", ("activation", "ffn_hidden")), ("mlp.", ("ffn_hidden", "activation")),
              ("k_proj.", ("n_kv_heads", "n_heads")), ("v_proj.", ("n_kv_heads", "n_heads")),

@@ -145,6 +145,9 @@ class ModelConfig:
     ``gelu``), which is also faster than the tanh form on CPUs."""
     bias: bool = False
     """Biases in linear layers and LayerNorm."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2; ``bias`` puts them in every
+    linear layer). Exported to transformers as ``Qwen2ForCausalLM``."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
     qk_norm: bool = False
@@ -182,7 +185,7 @@ class ModelConfig:
 
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "activation", "norm",
-        "position", "bias", "tie_embeddings", "rope_theta", "qk_norm", "rope_scaling",
+        "position", "bias", "qkv_bias", "tie_embeddings", "rope_theta", "qk_norm", "rope_scaling",
         "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
     """The fields that change what the weights compute: checkpoints record them, and a recipe
     that differs is refused at a resume (``checkpoint.strict_model``)."""
@@ -341,6 +344,13 @@ class TrainingConfig:
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all data-parallel ranks; null means micro_batch_size·dp
     (no accumulation). Must be a multiple of micro_batch_size·dp."""
+    rampup_batch_size: Optional[list[int]] = None
+    """``[start, increment, samples]``: ramp the global batch up from ``start`` to
+    ``global_batch_size`` in steps of ``increment`` spread evenly over the first ``samples``
+    samples (Megatron-LM's ``--rampup-batch-size``; the gradient-accumulation steps change, the
+    micro-batch does not). The learning rate follows samples: ``schedule`` steps count full
+    batches. Needs ``train_tokens`` (not ``iters``), as Megatron's needs sample-based training,
+    and no pipeline parallelism; ``start`` and ``increment`` multiples of micro_batch_size·dp."""
     log_interval: int = 10
     """Steps between console/metrics lines."""
     eval_interval: int = 500

@@ -143,6 +143,20 @@ def validate(cfg: Config) -> list[str]:
         need(t.global_batch_size % t.micro_batch_size == 0,
              f"'training.global_batch_size' = {t.global_batch_size} must be a multiple of "
              f"'training.micro_batch_size' = {t.micro_batch_size}")
+    ramp = t.rampup_batch_size
+    if ramp is not None:
+        if len(ramp) != 3 or any(v < 1 for v in ramp):
+            problems.append(f"'training.rampup_batch_size' = {list(ramp)} must be three positive integers: "
+                            "[start, increment, samples]")
+        elif t.global_batch_size is None or not (ramp[0] < t.global_batch_size
+                                                  and (t.global_batch_size - ramp[0]) % ramp[1] == 0):
+            problems.append(f"'training.rampup_batch_size' = {list(ramp)}: the start must be below "
+                            f"'training.global_batch_size' = {t.global_batch_size} by a multiple of the "
+                            "increment")
+        need(t.iters is None, "'training.rampup_batch_size' needs sample-based training: give "
+             "'training.train_tokens' instead of 'training.iters' (a ramp changes the samples per step)")
+        need(cfg.parallel.pipeline == 1, "'training.rampup_batch_size' with 'parallel.pipeline' > 1 is "
+             "not supported (DeepSpeed's pipeline engine fixes its micro-batches per step when built)")
     need(t.eval_interval >= 0, f"'training.eval_interval' = {t.eval_interval} must be 0 or more")
     if t.kernels == "liger":
         need(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1,

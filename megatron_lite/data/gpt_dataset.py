@@ -15,7 +15,8 @@ reproduces the same batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,7 +207,10 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, consumed_samples: int, global_batch: int, micro_batch: int, dp_rank: int,
-                 dp_size: int, wrap: int | None = None, skip: list[tuple[int, int]] = ()):
+                 dp_size: int, wrap: int | None = None, skip: list[tuple[int, int]] = (),
+                 batches: Callable[[int], int] | None = None):
+        """``batches``: the global batch of the ``k``-th step from here (a batch ramp-up);
+        default: ``global_batch`` for every step."""
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} is not a multiple of micro batch "
                              f"{micro_batch} × data-parallel size {dp_size}")
@@ -215,14 +219,16 @@ class GlobalBatchSampler:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.wrap = wrap  # validation repeats its windows modulo this
         self.skip = list(skip)  # [start, end) sample ranges never served (rolled-back data)
+        self.batches = batches or (lambda k: global_batch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        per_rank = self.global_batch // self.dp_size
         step_start = self.consumed
-        while True:
+        for k in itertools.count():
             step_start = past_skipped(step_start, self.skip)
+            batch = self.batches(k)
+            per_rank = batch // self.dp_size
             first = step_start + self.dp_rank * per_rank
             for m in range(0, per_rank, self.micro_batch):
                 idx = list(range(first + m, first + m + self.micro_batch))
                 yield [i % self.wrap for i in idx] if self.wrap else idx
-            step_start += self.global_batch
+            step_start += batch

@@ -221,6 +221,12 @@ class ParallelDims:
             problems.append(f"training.global_batch_size={t.global_batch_size} is not a multiple of "
                             f"training.micro_batch_size × data-parallel size = "
                             f"{t.micro_batch_size} × {dp}")
+        ramp = t.rampup_batch_size
+        if ramp is not None and len(ramp) == 3 and (ramp[0] % (t.micro_batch_size * dp)
+                                                    or ramp[1] % (t.micro_batch_size * dp)):
+            problems.append(f"training.rampup_batch_size={list(ramp)}: its start and increment must be "
+                            f"multiples of training.micro_batch_size × data-parallel size = "
+                            f"{t.micro_batch_size} × {dp}, so that every batch splits into micro-batches")
         if m.vocab_size is not None and m.vocab_size % p.tensor:
             problems.append(f"model.vocab_size={m.vocab_size} must be divisible by parallel.tensor="
                             f"{p.tensor} (or leave it null: the tokenizer's vocabulary is padded "

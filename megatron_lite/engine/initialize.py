@@ -51,16 +51,18 @@ def partitioned_init(cfg: Config, dims: ParallelDims) -> tuple[Callable[[nn.Para
 
 
 def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters: int,
-                 device_type: str, adamw: type | None = None):
+                 device_type: str, adamw: type | None = None,
+                 position: Callable[[int], float] | None = None):
     """``deepspeed.initialize`` with our AdamW (``adamw``: a device's fused class) and LR
-    schedule; returns the engine."""
+    schedule over ``total_iters`` steps (``position``: each step's place in it, see
+    ``ScheduledLR``); returns the engine."""
     import deepspeed
 
     offloaded = cfg.parallel.offload_optimizer != "none"
     # The plain model's shapes: a parameter partitioned at its initialisation (ZeRO-3) is flat.
     optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded,
                                 lambda p: spec(p).full_shape)
-    scheduler = ScheduledLR(optimizer, LRSchedule.of(cfg.optimizer, cfg.schedule, total_iters))
+    scheduler = ScheduledLR(optimizer, LRSchedule.of(cfg.optimizer, cfg.schedule, total_iters), position)
     # The pipeline engine takes its process groups from the PipelineModule's own topology
     # (built in the same rank order as ours); otherwise DeepSpeed gets our groups as its mpu.
     mpu = None if dims.pipeline > 1 else ModelParallelUnit(dims)
@@ -80,7 +82,8 @@ def patch_engine(engine, cfg: Config, dims: ParallelDims) -> None:
     if zero == 0:
         internals.drop_gradients_from_a_list(engine)
     if (dims.pipeline == 1 and zero == 0 and dims.data == 1 and dims.sequence == 1
-            and (dims.grad_accumulation(cfg) == 1 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
+            and ((dims.grad_accumulation(cfg) == 1 and cfg.training.rampup_batch_size is None)
+                 or deepspeed_version() >= GAS_SCALING_ALWAYS)):
         # No gradient is replicated over ranks, so DeepSpeed's all-reduce would reduce over a
         # group of one: skip its flatten / all-reduce / unflatten of every gradient per step.
         # (Older DeepSpeed also stops averaging over accumulation steps then: see there.)

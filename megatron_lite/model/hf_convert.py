@@ -1,7 +1,8 @@
 """Hugging Face transformers <-> megatron_lite weight and config conversion (both directions).
 
-Supported: ``LlamaForCausalLM`` (incl. grouped-query attention), ``Qwen3ForCausalLM`` (Llama
-with per-head query/key norms: ``model.qk_norm``) and ``GPT2LMHeadModel``.
+Supported: ``LlamaForCausalLM`` (incl. grouped-query attention), ``Qwen2ForCausalLM`` (Llama
+with biases on q/k/v: ``model.qkv_bias``), ``Qwen3ForCausalLM`` (Llama with per-head query/key
+norms: ``model.qk_norm``) and ``GPT2LMHeadModel``.
 Llama's layout matches ours name for name; GPT-2 fuses q/k/v into one ``Conv1D`` whose weights
 are stored transposed. RoPE uses the same half-split layout as HF's ``rotate_half``, so Llama
 q/k weights copy without permutation.
@@ -113,6 +114,16 @@ def llama_config_from_hf(hf: Any) -> ModelConfig:
     return cfg
 
 
+def qwen2_config_from_hf(hf: Any) -> ModelConfig:
+    # Qwen2 is Llama with biases on q/k/v (always: its config has no switch for them).
+    cfg, refusals = _llama_family(hf)
+    if getattr(hf, "use_sliding_window", False):
+        refusals.append("use_sliding_window=True is not implemented (every layer's attention is full "
+                        "and causal)")
+    _refuse(hf.model_type, refusals)
+    return dataclasses.replace(cfg, qkv_bias=True)
+
+
 def qwen3_config_from_hf(hf: Any) -> ModelConfig:
     cfg, refusals = _llama_family(hf)
     if getattr(hf, "use_sliding_window", False):
@@ -162,6 +173,9 @@ _LLAMA_LAYER = {
 _QWEN3_QK_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 
 
+_QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+
+
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     """Our parameter name -> HF's, for every parameter of a Llama-style model."""
     names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -170,7 +184,7 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layers):
         for ours, theirs in layer.items():
             names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-            if cfg.bias and not ours.endswith("_norm"):
+            if (cfg.bias and not ours.endswith("_norm")) or (cfg.qkv_bias and ours in _QKV):
                 names[f"blocks.{i}.{ours}.bias"] = f"model.layers.{i}.{theirs}.bias"
     return names
 
@@ -236,10 +250,12 @@ def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
 def config_from_hf(hf_config: Any) -> ModelConfig:
     """Our config for a transformers Llama / Qwen3 / GPT-2 config; refuses, naming each, every
     field this model would compute differently."""
-    converters = {"llama": llama_config_from_hf, "qwen3": qwen3_config_from_hf, "gpt2": gpt2_config_from_hf}
+    converters = {"llama": llama_config_from_hf, "qwen2": qwen2_config_from_hf, "qwen3": qwen3_config_from_hf,
+                  "gpt2": gpt2_config_from_hf}
     kind = hf_config.model_type
     if kind not in converters:
-        raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen3' or 'gpt2' model")
+        raise ValueError(f"model type '{kind}' is not supported; choose a 'llama', 'qwen2', 'qwen3' or "
+                         "'gpt2' model")
     return converters[kind](hf_config)
 
 
@@ -258,7 +274,10 @@ def _check_exportable(cfg: ModelConfig) -> None:
         target, needs = "GPT-2", {"norm": ("layernorm",), "activation": ("gelu", "gelu_exact"),
                                   "bias": (True,), "n_kv_heads": (None, cfg.n_heads), "qk_norm": (False,)}
     elif cfg.qk_norm:
-        target, needs = "Qwen3", {"norm": ("rmsnorm",), "activation": ("swiglu",), "bias": (False,)}
+        target, needs = "Qwen3", {"norm": ("rmsnorm",), "activation": ("swiglu",), "bias": (False,),
+                                  "qkv_bias": (False,)}
+    elif cfg.qkv_bias:
+        target, needs = "Qwen2", {"norm": ("rmsnorm",), "activation": ("swiglu",), "bias": (False,)}
     else:
         target, needs = "Llama", {"norm": ("rmsnorm",), "activation": ("swiglu",)}
     wrong = [f"model.{field}={getattr(cfg, field)!r} (needs {' or '.join(map(repr, allowed))})"
@@ -274,7 +293,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
     ``qk_norm``, or GPT-2-style). ``token_ids``: the config's special-token ids
     (``bos_token_id``, ...); the ones not given are null, never the class's defaults, which
     are ids of another vocabulary (GPT-2's 50256, Llama's 1 and 2)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(token_ids or {})}
 
@@ -299,6 +318,15 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
             use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings,
             rope_scaling=_hf_rope_scaling(cfg), **ids,
+        )
+        return hf_cfg, llama_to_hf(sd, cfg)
+    if cfg.qkv_bias:
+        hf_cfg = Qwen2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, use_sliding_window=False,
+            tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg), **ids,
         )
         return hf_cfg, llama_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(

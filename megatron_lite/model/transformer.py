@@ -182,9 +182,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         # Separate projections: on CPU a fused [q|k|v] matmul saves less than the backward's
         # concatenation of its gradients costs, and the tensor-parallel step shards each alike.
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         # Qwen3's per-head RMSNorm of queries and keys, before RoPE: bounds the attention logits.
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None

@@ -4,6 +4,7 @@ held, then a cooldown: warmup-stable-decay), then flat."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -37,8 +38,9 @@ class LRSchedule:
         span = max(self.decay_end - self.warmup_iters, 1)
         return self.decay_end - max(round(self.decay_fraction * span), 1)
 
-    def at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
+    def at(self, step: float) -> float:
+        """Learning rate of optimizer step ``step`` (0-based; a fraction of a step under a batch
+        ramp-up, ``data/batch_plan.py``)."""
         if step < self.warmup_iters:
             # (step+1)/(warmup+1): never 0, reaches lr right after warm-up (as nanoGPT).
             return self.lr * (step + 1) / (self.warmup_iters + 1)
@@ -86,10 +88,14 @@ class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
     """A LambdaLR that follows an ``LRSchedule`` and keeps it: checkpoints record it, and a
     resumed run can follow the checkpoint's schedule or the recipe's (``schedule.on_resume``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule):
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule,
+                 position: Callable[[int], float] | None = None):
+        """``position``: a step's place in the schedule (a batch ramp-up's samples trained
+        before it, in full batches); default: the step."""
         self.schedule = schedule
+        where = position or (lambda step: step)
         # A plain function (not a bound method): LambdaLR's state_dict leaves functions out.
-        super().__init__(optimizer, lambda step: self.schedule.at(step) / self.schedule.lr
+        super().__init__(optimizer, lambda step: self.schedule.at(where(step)) / self.schedule.lr
                          if self.schedule.lr else 0.0)
 
     def state_dict(self) -> dict:

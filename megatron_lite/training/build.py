@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron_lite.config.schema import Config, ModelConfig
+from megatron_lite.data.batch_plan import BatchPlan, batch_plan, planned_steps
 from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
@@ -45,6 +46,8 @@ class Components:
     """The optimizer steps the learning-rate schedule is planned for."""
     flops_per_token: float
     """Training FLOPs per token of the whole model (for MFU)."""
+    plan: BatchPlan
+    """The global batch of each step (``training.rampup_batch_size``)."""
     notes: list[str] = field(default_factory=list)
     """What the build chose that belongs in the log: fused kernels, compilation."""
     runner_args: tuple = field(default=(), repr=False)
@@ -116,11 +119,16 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
         n = compile_blocks(model, acc.get_compile_backend())
         notes.append(f"torch.compile: {n} transformer block(s) on this rank, backend "
                      f"{acc.get_compile_backend()}")
-    engine = build_engine(model, cfg, dims, iters, device_type, kernels.adamw)
+    plan = batch_plan(cfg.training, dims.global_batch(cfg))
+    ramped = cfg.training.rampup_batch_size is not None
+    # Under a ramp the schedule counts full batches, and each step sits where its samples put it.
+    schedule_steps = planned_steps(cfg, plan)[1] if ramped else iters
+    engine = build_engine(model, cfg, dims, schedule_steps, device_type, kernels.adamw,
+                          plan.position if ramped else None)
     note = unfused_wrapper_note(cfg, device_type)
     if note:
         notes.append(note)
     runner_args = (cfg, dims, dims.grad_accumulation(cfg), devmod.graph_break(acc, cfg.training.hpu_mode),
                    kernels.clip_norm)
     return Components(acc, model_cfg, engine, iters, flops_per_token(model_cfg, cfg.data.seq_length),
-                      notes, runner_args)
+                      plan, notes, runner_args)

@@ -3,16 +3,14 @@ to the spike (``spikes.policy: rollback``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from megatron_lite.data.gpt_dataset import past_skipped
 from megatron_lite.spikes import SpikeStop, StepContext
 
-if TYPE_CHECKING:
-    from megatron_lite.training.trainer import Trainer
 
-
-def roll_back(self: Trainer, spike: StepContext) -> bool:
+# ``self``: the ``Trainer`` (not imported: the trainer imports this module).
+def roll_back(self: Any, spike: StepContext) -> bool:
     """Collective. The trainer ``self`` reloads the newest checkpoint at least
     ``spikes.rollback.min_steps_back`` steps before the ``spike`` step and skips the data up to
     it plus ``skip_batches``; False (the step stays skipped) when there is no such checkpoint."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.checkpoint.init_from import InitialWeights, load_initial_weights, own_checkpoint
 from megatron_lite.config import Config, to_yaml
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.data.batch_plan import batch_plan, planned_steps
 from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import vocab_size_offline
@@ -26,14 +26,6 @@ from megatron_lite.logging.console import emit_line
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.training.build import build
 from megatron_lite.training.trainer import RunResult, Trainer
-
-
-def total_iters(cfg: Config, global_batch: int) -> int:
-    t = cfg.training
-    if t.iters is not None:
-        return t.iters
-    assert t.train_tokens is not None
-    return math.ceil(t.train_tokens / (global_batch * cfg.data.seq_length))
 
 
 def train_samples(cfg: Config, iters: int, global_batch: int) -> int:
@@ -107,7 +99,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
                          long_wait=True)
-    iters = total_iters(cfg, dims.global_batch(cfg))
+    iters, _ = planned_steps(cfg, batch_plan(cfg.training, dims.global_batch(cfg)))
     samples = (train_samples(cfg, iters, dims.global_batch(cfg)),
                cfg.training.eval_iters * dims.global_batch(cfg))
     # One rank builds (and caches) the sample indices (one per node for node-local caches),

@@ -102,6 +102,9 @@ class StepRunner:
         ``loss_mask_end``: the one whose predictions the loss leaves out (``data.eod_mask_loss``)."""
         self.document_end, self.loss_mask_end = document_end, loss_mask_end
         self.cfg, self.dims, self.engine, self.grad_accum = cfg, dims, engine, grad_accum
+        # Evaluation batches stay full-sized while a batch ramp-up changes the training ones.
+        self.eval_accum = grad_accum
+        self.ramped = cfg.training.rampup_batch_size is not None
         self.acc = acc  # DeepSpeed's accelerator: pinned memory and events for the late report
         self.clip_kernel = clip_kernel  # a device's fused clipping (distributed/device.py)
         # Where Gaudi's lazy mode runs the graph built so far (device.graph_break); else a no-op.
@@ -261,6 +264,18 @@ class StepRunner:
         stage.documents.extend(documents for _, _, documents in read)
         return iter([(inputs, targets) for inputs, targets, _ in read])
 
+    def use_batch(self, global_batch: int) -> None:
+        """The next steps take ``global_batch`` samples (a batch ramp-up): as many more or fewer
+        micro-batches, in DeepSpeed's accounting too (its gradient averaging)."""
+        accum = global_batch // (self.cfg.training.micro_batch_size * self.dims.data)
+        if accum == self.grad_accum:
+            return
+        self.grad_accum = accum
+        self.engine.set_train_batch_size(
+            self.engine.train_micro_batch_size_per_gpu() * accum * self.engine.dp_world_size)
+        if self._reporter is not None:
+            self._reporter.grad_accum = accum
+
     def train_step(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
         """One optimizer step over ``grad_accum`` micro-batches; returns the sum of the
         micro-batch losses as a device tensor. ``clock`` gets the step's phases (under pipeline
@@ -279,13 +294,17 @@ class StepRunner:
             clock.mark("data")
             pair = next(pairs)
             clock.mark("forward")
+            last = micro == self.grad_accum - 1
+            if self.ramped:
+                # DeepSpeed finds the boundary from its count of micro-steps modulo the current
+                # accumulation steps, which a change of batch leaves out of phase.
+                engine.set_gradient_accumulation_boundary(last)
             loss = engine(*pair)
             clock.mark("backward")
             engine.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
             self.graph_break()
             loss_sum += loss.detach().float()
             clock.mark("optimizer")
-            last = micro == self.grad_accum - 1
             if last and self.dims.hsdp_replicas > 1:
                 self._average_over_replicas()
             if self.own_clipping and last:
@@ -313,15 +332,15 @@ class StepRunner:
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:
-        """Mean loss of ``grad_accum`` micro-batches (one global batch)."""
+        """Mean loss of the micro-batches of one full global batch."""
         if self.pipelined:
             loss = self.engine.eval_batch(self._stage_pairs(self._pairs(batches, device)),
-                                          num_micro_batches=self.grad_accum)
+                                          num_micro_batches=self.eval_accum)
             return loss.float().reshape(())
         total = torch.zeros((), device=device)
         pairs = self._pairs(batches, device)
-        for _ in range(self.grad_accum):
+        for _ in range(self.eval_accum):
             total += self.engine(*next(pairs)).float()
             # Gaudi's lazy mode: one graph per forward, not one across the whole evaluation.
             self.graph_break()
-        return total / self.grad_accum
+        return total / self.eval_accum

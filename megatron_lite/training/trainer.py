@@ -84,8 +84,7 @@ class Trainer:
         self.on_record = on_record
         self.total_iters = parts.iters
         self.global_batch = dims.global_batch(cfg)
-        self.grad_accum = dims.grad_accumulation(cfg)
-        self.tokens_per_step = self.global_batch * cfg.data.seq_length
+        self.plan = parts.plan
         self.peak = devmod.peak_flops(devmod.device_name(parts.acc), cfg.training.precision)
         self.state = TrainState()
         self.phases = first_phase(cfg.data)
@@ -113,7 +112,8 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own state saved with each checkpoint (the checkpointer saves the engine's
         and each rank's random state, ``checkpoint/run_state.py``): the spike tracker's."""
-        return {"spikes": self.spikes.state_dict(), "data_phases": self.phases}
+        return {"spikes": self.spikes.state_dict(), "data_phases": self.phases,
+                "batch_ramp": self.plan.ramp and list(self.plan.ramp)}
 
     def maybe_resume(self) -> None:
         """Claim the checkpoint directory, then resume from its latest checkpoint (when there is
@@ -133,6 +133,11 @@ class Trainer:
         on_every_rank(lambda: self.spikes.resume(extra.get("spikes"), log, history), self.dims,
                       f"repairing {self.spikes.path}")
         if loaded is not None:
+            saved_ramp = extra.get("batch_ramp")
+            if saved_ramp != (self.plan.ramp and list(self.plan.ramp)):
+                raise ValueError(f"training.rampup_batch_size={self.cfg.training.rampup_batch_size}, but "
+                                 f"{loaded.path} was trained with {saved_ramp}: the steps' batches would "
+                                 "not follow its samples; keep the checkpoint's ramp-up")
             self.phases = phases_at_resume(extra.get("data_phases"), self.cfg.data, loaded.step,
                                            loaded.consumed_samples, str(loaded.path), self.log)
             self._use_phase()
@@ -160,17 +165,20 @@ class Trainer:
         self.saves.restored(loaded.step, loaded.consumed_samples)
 
     def _batches(self, dataset, consumed: int, wrap: int | None, workers: bool,
-                 skip: list[tuple[int, int]] = ()):
+                 skip: list[tuple[int, int]] = (), batches=None):
         sampler = GlobalBatchSampler(consumed, self.global_batch, self.cfg.training.micro_batch_size,
-                                     self.dims.dp_rank, self.dims.data, wrap=wrap, skip=skip)
+                                     self.dims.dp_rank, self.dims.data, wrap=wrap, skip=skip,
+                                     batches=batches)
         if not workers:
             return (torch.stack([dataset[i] for i in idx]) for idx in sampler)
         return self.data.loader(dataset, sampler)
 
     # ---- training ----
     def _train_batches(self):
+        first = self.state.step
         return self._batches(self.data.train, self.state.consumed_samples, None,
-                             workers=self.data.num_workers > 0, skip=self.spikes.skip)
+                             workers=self.data.num_workers > 0, skip=self.spikes.skip,
+                             batches=lambda k: self.plan.batch(first + k))
 
     def train(self) -> RunResult:
         """The training loop. However it ends, the save in flight (``checkpoint.async_save``)
@@ -197,8 +205,10 @@ class Trainer:
         self.interval.restart()
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
-            after = past_skipped(st.consumed_samples + self.global_batch, self.spikes.skip)
-            ctx = StepContext(st.step + 1, st.consumed_samples, lr, self.global_batch, after)
+            batch = self.plan.batch(st.step)
+            self.step_runner.use_batch(batch)
+            after = past_skipped(st.consumed_samples + batch, self.spikes.skip)
+            ctx = StepContext(st.step + 1, st.consumed_samples, lr, batch, after)
             self.profiler.before(st.step + 1)
             step_loss, action = self.spikes.track(ctx, functools.partial(self.train_step, batches))
             st.step, st.consumed_samples = st.step + 1, after
@@ -227,6 +237,7 @@ class Trainer:
                 continue
             self.interval.step_done()
             applied = self.step_runner.applied
+            step_loss = step_loss / self.step_runner.grad_accum  # the step's mean micro-batch loss
             if isinstance(applied, torch.Tensor):  # the device's verdict, read later
                 loss_sum += torch.where(applied, step_loss, torch.zeros_like(step_loss))
                 loss_steps += applied
@@ -320,7 +331,7 @@ class Trainer:
         read is the interval's one wait for the device; the phase timings are read after it.
         Times are this rank's (rank 0's in the logs)."""
         summed, applied = torch.stack([loss_sum, loss_steps.to(loss_sum.dtype)]).tolist()
-        mean = summed / (applied * self.grad_accum) if applied else math.nan
+        mean = summed / applied if applied else math.nan
         loss = mean_over_ranks(mean, self.dims, "the logged loss")
         now = time.perf_counter()
         span, timed = self.interval.all, self.interval.timed
@@ -345,10 +356,13 @@ class Trainer:
         return record
 
     def _throughput(self, steps: int, seconds: float) -> dict:
+        """Over the last ``steps`` steps (their batches: a ramp-up changes them)."""
         seconds = max(seconds, 1e-9)
-        tokens_per_sec = self.tokens_per_step * steps / seconds
+        step = self.state.step
+        samples = self.plan.samples_before(step) - self.plan.samples_before(step - steps)
+        tokens_per_sec = samples * self.cfg.data.seq_length / seconds
         per_device = tokens_per_sec / self.dims.world_size
-        return {"tokens_per_sec": tokens_per_sec, "samples_per_sec": self.global_batch * steps / seconds,
+        return {"tokens_per_sec": tokens_per_sec, "samples_per_sec": samples / seconds,
                 "tokens_per_sec_per_device": per_device,
                 "tflops_per_device": per_device * self.parts.flops_per_token / 1e12,
                 "mfu": mfu(per_device, self.parts.flops_per_token, self.peak)}

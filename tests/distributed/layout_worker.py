@@ -38,11 +38,12 @@ VARIANTS = {
     # GPT-2 style: learned positions, LayerNorm, GELU, biases, tied embeddings.
     "gpt": [],
     # Llama style: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied, recomputed activations,
-    # and Qwen3's per-head query/key norms (replicated weights inside the tensor-parallel region).
+    # Qwen3's per-head query/key norms (replicated weights inside the tensor-parallel region) and
+    # Qwen2's biases on q/k/v alone (split with their columns).
     # 8 query and 4 key/value heads: 2 of each per rank of Ulysses 2, as DeepSpeed < 0.18.3 needs.
     "llama": ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
               "model.tie_embeddings=false", "model.n_heads=8", "model.n_kv_heads=4",
-              "model.activation_checkpointing=true", "model.qk_norm=true"],
+              "model.activation_checkpointing=true", "model.qk_norm=true", "model.qkv_bias=true"],
 }
 
 

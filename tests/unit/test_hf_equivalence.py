@@ -1,5 +1,5 @@
-"""Our model reproduces transformers' Llama (GQA), Qwen3 (per-head query/key norms) and GPT-2
-logits from converted weights."""
+"""Our model reproduces transformers' Llama (GQA), Qwen2 (biases on q/k/v), Qwen3 (per-head
+query/key norms) and GPT-2 logits from converted weights."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -11,6 +11,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -43,6 +45,14 @@ def _tiny_qwen3() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def _tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def _tiny_gpt2(**kwargs) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4,
@@ -60,9 +70,9 @@ def _tiny_llama3_scaled() -> LlamaForCausalLM:
     return _tiny_llama(rope_scaling=LLAMA3_ROPE)
 
 
-MODELS = [_tiny_llama, _tiny_llama_biased, _tiny_llama3_scaled, _tiny_qwen3, _tiny_gpt2,
+MODELS = [_tiny_llama, _tiny_llama_biased, _tiny_llama3_scaled, _tiny_qwen2, _tiny_qwen3, _tiny_gpt2,
           _tiny_gpt2_exact_gelu_untied]
-IDS = ["llama-gqa", "llama-biased", "llama3-rope-scaling", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
+IDS = ["llama-gqa", "llama-biased", "llama3-rope-scaling", "qwen2", "qwen3", "gpt2", "gpt2-exact-gelu-untied"]
 
 
 def _perturbed(hf):
