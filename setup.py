@@ -2,6 +2,10 @@ from setuptools import find_packages, setup
 
 RAY = ["ray[default,train]>=2.60,<3", "datasets>=3"]
 FP8 = ["torchao>=0.14"]
+# lm-evaluation-harness: 0.4.10 is the first whose HFLM encodes as the tokenizer is configured (a
+# Llama BOS kept, as preprocessing keeps it), which the adapter matches, and the first without
+# torch, transformers, accelerate and peft in its own requirements (tested: 0.4.10 and 0.4.13).
+EVAL = ["lm_eval>=0.4.10"]
 
 setup(
     name="megatron_lite",
@@ -38,10 +42,14 @@ setup(
     # "default" brings the dashboard, whose state API Ray Train's controller queries) and
     # Hugging Face datasets as preprocessing input.
     # fp8: model.fp8 (torchao's float8 training; pick the torchao release built for your torch).
+    # eval: tools/evaluate.py and megatron_lite.evaluation (downstream tasks); the tests compare it
+    # with lm_eval's own HFLM, which needs accelerate.
     extras_require={"report": ["matplotlib>=3.7", "plotext>=5.2,<6"],
                     "ray": RAY,
                     "fp8": FP8,
+                    "eval": EVAL,
                     "test": ["pytest>=8.2", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "ruff>=0.6",
                              "pyarrow>=14", "matplotlib>=3.7", "plotext>=5.2,<6",
-                             "mpich>=4; sys_platform == 'linux'", *RAY, *FP8]},
+                             "mpich>=4; sys_platform == 'linux'", *RAY, *FP8, *EVAL,
+                             "accelerate>=0.26"]},
 )

@@ -547,6 +547,25 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    harness_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (or groups) scored on the model during training, at
+    ``harness_interval`` and the last step; the scores go to the metrics as
+    ``harness/TASK/METRIC`` (metrics.jsonl, TensorBoard, W&B, the console). Needs ``pip install
+    'megatron_lite[eval]'`` and the whole model on every rank (no pipeline, Ulysses, context or
+    sequence parallelism)."""
+    harness_interval: int = 0
+    """Steps between task scorings (0: the last step only)."""
+    harness_limit: Optional[int] = None
+    """At most this many documents per task (null: all)."""
+    harness_include_path: Optional[str] = None
+    """A folder of lm-eval task YAML files of your own (a task over a local jsonl file works
+    without the network)."""
+    harness_batch_size: int = 8
+    """Requests per forward pass."""
+
+
+@dataclass(frozen=True)
 class Config:
     base: Optional[str] = None
     """Recipe this one extends (a path relative to this recipe's file); its keys are overridden."""
@@ -574,6 +593,8 @@ class Config:
     """torch.profiler traces of chosen steps on chosen ranks (CPU, CUDA, HPU)."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Slowdown and straggler detection from the phase timings of training records."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Downstream tasks (lm-evaluation-harness) during training."""
     deepspeed: dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys, deep-merged over the generated config. A key the recipe
     already states elsewhere (batch sizes, gradient_clipping, zero_optimization.stage, bf16/fp16

@@ -157,6 +157,20 @@ def validate(cfg: Config) -> list[str]:
              "'training.train_tokens' instead of 'training.iters' (a ramp changes the samples per step)")
         need(cfg.parallel.pipeline == 1, "'training.rampup_batch_size' with 'parallel.pipeline' > 1 is "
              "not supported (DeepSpeed's pipeline engine fixes its micro-batches per step when built)")
+    ev = cfg.eval
+    if ev.harness_tasks:
+        p = cfg.parallel
+        split = [f"parallel.{k}={v}" for k, v in (("pipeline", p.pipeline), ("ulysses", p.ulysses),
+                                                   ("context", p.context)) if v > 1]
+        if p.sequence_parallel and p.tensor > 1:
+            split.append("parallel.sequence_parallel=true")
+        need(not split, f"'eval.harness_tasks' scores the whole model on every rank, which "
+             f"{', '.join(split)} cut up; score a checkpoint with tools/evaluate.py instead")
+    need(ev.harness_interval >= 0, f"'eval.harness_interval' = {ev.harness_interval} must be 0 or more")
+    need(ev.harness_limit is None or ev.harness_limit >= 1,
+         f"'eval.harness_limit' = {ev.harness_limit} must be at least 1 (or null)")
+    need(ev.harness_batch_size >= 1,
+         f"'eval.harness_batch_size' = {ev.harness_batch_size} must be at least 1")
     need(t.eval_interval >= 0, f"'training.eval_interval' = {t.eval_interval} must be 0 or more")
     if t.kernels == "liger":
         need(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1,

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from megatron_lite.config.schema import Config
 from megatron_lite.data.gpt_dataset import GlobalBatchSampler
@@ -24,6 +25,18 @@ from megatron_lite.logging import MetricsLogger
 from megatron_lite.training.build import Components
 from megatron_lite.training.generate import sample
 from megatron_lite.training.step import StepRunner
+
+
+class _Unpadded(nn.Module):
+    """The model's logits over the tokenizer's ids only: the rows past them pad the vocabulary
+    for tensor parallelism, and scores are the exported model's (which has none)."""
+
+    def __init__(self, model: nn.Module, vocab: int):
+        super().__init__()
+        self.inner, self.vocab = model, vocab
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens)[..., :self.vocab]
 
 
 class Evaluator:
@@ -66,6 +79,27 @@ class Evaluator:
             self.logger.text("sample", text, step)
             self.log(f"sample at step {step}:\n{text}\n" + "-" * 40)
         return val, text
+
+    def maybe_score_tasks(self, step: int, last: bool) -> dict[str, float] | None:
+        """Collective: at ``eval.harness_interval`` and the last step, the scores of
+        ``eval.harness_tasks`` (logged); None at other steps. Every rank runs the same requests
+        (the model's layers may hold parts of it: each forward is collective); the scores are
+        the same everywhere."""
+        ev = self.cfg.eval
+        if not ev.harness_tasks or not (last or (ev.harness_interval and step % ev.harness_interval == 0)):
+            return None
+        from megatron_lite.evaluation import evaluate_tasks
+
+        start = time.perf_counter()
+        model = _Unpadded(self.parts.engine.module, self.data.tokenizer.vocab_size)
+        scores = on_every_rank(lambda: evaluate_tasks(
+            model, self.data.tokenizer, list(ev.harness_tasks), ev.harness_limit,
+            self.parts.model_cfg.max_seq_len, self.parts.device, ev.harness_include_path,
+            ev.harness_batch_size), self.dims, "the downstream tasks (eval.harness_tasks)")
+        self.logger.log({"step": step, **scores, "harness_ms": 1000.0 * (time.perf_counter() - start)})
+        self.log(f"tasks at step {step}: " + " | ".join(f"{k.removeprefix('harness/')} {v:.4f}"
+                                                        for k, v in scores.items()))
+        return scores
 
     @torch.no_grad()
     def loss(self, valid) -> float:

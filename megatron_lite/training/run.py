@@ -57,6 +57,16 @@ def describe_model(cfg: Config) -> tuple[ModelConfig, int, float]:
     return model_cfg, params, flops_per_token(model_cfg, cfg.data.seq_length)
 
 
+def _check_tasks(cfg: Config) -> None:
+    from megatron_lite.evaluation import harness
+
+    try:
+        harness.require_lm_eval()
+    except ImportError as e:
+        raise ValueError(f"eval.harness_tasks: {e}") from None
+    harness.resolve_tasks(list(cfg.eval.harness_tasks), cfg.eval.harness_include_path)
+
+
 def _initial_weights(cfg: Config, model_cfg: ModelConfig, dims, log) -> InitialWeights | None:
     """The weights of ``checkpoint.init_from``, None without it or when the run resumes from
     its own checkpoint instead (rank 0 decides, so every rank builds the same way)."""
@@ -97,6 +107,8 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
             emit_line(msg)
 
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
+    if cfg.eval.harness_tasks:  # lm_eval and the tasks, before any work
+        on_every_rank(lambda: _check_tasks(cfg), dims, "checking eval.harness_tasks")
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
                          long_wait=True)
     iters, _ = planned_steps(cfg, batch_plan(cfg.training, dims.global_batch(cfg)))

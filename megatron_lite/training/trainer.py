@@ -260,6 +260,7 @@ class Trainer:
                 self.interval.restart()  # logging is not step time
             started = time.perf_counter()
             evaluated = self.evaluator.maybe_run(st.step, st.consumed_samples, last)
+            self.evaluator.maybe_score_tasks(st.step, last)
             self.interval.add("eval", time.perf_counter() - started)
             if evaluated is not None:
                 result.final_val_loss, result.sample_text = evaluated
