@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -270,20 +271,53 @@ def _in_vocabulary(key: str, value: int | list[int] | None, vocab: int,
     return inside[0] if inside else None
 
 
+def _hf_weight_files(hf_dir: Path) -> list[Path]:
+    """The weight files of a Hugging Face model directory, sharded or not, safetensors first."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (hf_dir / index).is_file():
+            shards = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
+            return [hf_dir / name for name in shards]
+        if (hf_dir / single).is_file():
+            return [hf_dir / single]
+    raise FileNotFoundError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their "
+                            "sharded indexes): download the model's weight files too")
+
+
+def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    """(our config, our fp32 state dict, transformers' config) of a Hugging Face model directory.
+    What this model cannot compute is refused from the config alone, before any weight is read.
+    The files are read directly, one tensor at a time into our names: no transformers model is
+    built (which would hold the weights twice, and which some transformers releases build only
+    with accelerate installed)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from megatron_lite.model.hf_convert import config_from_hf, gpt2_from_hf, llama_from_hf
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    cfg = config_from_hf(hf_config)
+    sd: dict[str, torch.Tensor] = {}
+    for file in _hf_weight_files(hf_dir):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                sd.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (not a dict)
+        else:
+            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+    convert = gpt2_from_hf if cfg.position == "learned" else llama_from_hf
+    try:
+        ours = convert(sd, cfg)
+    except KeyError as e:
+        raise ValueError(f"{hf_dir}: its weights lack {e.args[0]}, which its config.json implies") from None
+    return cfg, {k: v.float().contiguous() for k, v in ours.items()}, hf_config
+
+
 def import_hf(hf_dir: Path, root: Path) -> Path:
-    """A step-0 checkpoint in ``root`` holding the weights of a Hugging Face Llama, Qwen3 or GPT-2
-    directory (Adam moments zero): ``pretrain.py RECIPE checkpoint.dir=ROOT`` starts from it.
+    """A step-0 checkpoint in ``root`` holding the weights of a Hugging Face Llama, Qwen2, Qwen3 or
+    GPT-2 directory (Adam moments zero): ``pretrain.py RECIPE checkpoint.dir=ROOT`` starts from it.
     Its manifest records the model fields beyond the architecture that ``export_hf`` writes back,
     so an import then export gives the original config's architecture fields."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megatron_lite.model.hf_convert import config_from_hf, from_hf
-
-    # What this model cannot compute is refused from the config alone, before gigabytes of
-    # weights are read.
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    config_from_hf(hf_config)
-    cfg, sd = from_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))
+    cfg, sd, hf_config = read_hf(hf_dir)
     fragments = []
     for name, tensor in sd.items():
         if cfg.tie_embeddings and name == "lm_head.weight":

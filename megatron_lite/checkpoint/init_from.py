@@ -61,15 +61,12 @@ def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise InitFromError(f"checkpoint.init_from={str(path)!r} does not exist (give a checkpoint "
                             "directory of this project, a checkpoint.dir, or a Hugging Face model directory)")
     if is_hf_directory(path):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from megatron_lite.checkpoint.convert import read_hf
 
-        from megatron_lite.model.hf_convert import config_from_hf, from_hf
-
-        config_from_hf(AutoConfig.from_pretrained(path))  # refused from the config, before the weights
-        cfg, sd = from_hf(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        cfg, sd, _ = read_hf(path)
         if cfg.tie_embeddings:
             sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-        return cfg, {k: v.detach().float().contiguous() for k, v in sd.items()}
+        return cfg, sd
     from megatron_lite.checkpoint.convert import read_model
 
     _, cfg, weights = read_model(path)

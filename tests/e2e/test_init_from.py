@@ -11,7 +11,7 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.convert import read_model
 from megatron_lite.checkpoint.init_from import load_initial_weights
 from megatron_lite.model import resolve_model
-from megatron_lite.model.hf_convert import config_from_hf
+from megatron_lite.model.hf_convert import config_from_hf, from_hf
 from tests.conftest import char_overrides, check, read_metrics, run_pretrain
 
 VOCAB = 65  # shakespeare-char's characters
@@ -40,16 +40,17 @@ def hf_llama(tmp_path_factory):
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("hf") / "llama"
-    LlamaForCausalLM(config).save_pretrained(out)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    WEIGHTS[out] = from_hf(model)[1]  # ours, from the model in memory (not from its files)
     return out
 
 
+WEIGHTS = {}
+
+
 def _hf_weights(hf_dir):
-    from transformers import AutoModelForCausalLM
-
-    from megatron_lite.model.hf_convert import from_hf
-
-    return from_hf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))[1]
+    return WEIGHTS[hf_dir]
 
 
 @pytest.mark.parametrize("layout", [pytest.param([], id="one-process"),
