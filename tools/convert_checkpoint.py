@@ -3,7 +3,7 @@
 
     # a training checkpoint (a step directory, or checkpoint.dir: the one 'latest' names) -> HF
     python tools/convert_checkpoint.py --to hf checkpoints/run checkpoints/run-hf [--tokenizer DIR]
-    # an HF Llama / GPT-2 directory -> a step-0 checkpoint to start training from
+    # an HF Llama / Qwen2 / Qwen3 / GPT-2 directory -> a step-0 checkpoint to start training from
     python tools/convert_checkpoint.py --from hf models/llama-hf checkpoints/new-run
     python pretrain.py RECIPE checkpoint.dir=checkpoints/new-run
 

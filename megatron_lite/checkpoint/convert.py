@@ -285,7 +285,8 @@ def _hf_weight_files(hf_dir: Path) -> list[Path]:
 
 
 def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
-    """(our config, our fp32 state dict, transformers' config) of a Hugging Face model directory.
+    """(our config, our fp32 state dict, transformers' config) of a Hugging Face model directory
+    (or Hub id, where the network allows).
     What this model cannot compute is refused from the config alone, before any weight is read.
     The files are read directly, one tensor at a time into our names: no transformers model is
     built (which would hold the weights twice, and which some transformers releases build only
@@ -297,6 +298,10 @@ def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     cfg = config_from_hf(hf_config)
+    if not Path(hf_dir).is_dir():  # a Hub id (transformers found its config): its weight files
+        from huggingface_hub import snapshot_download
+
+        hf_dir = Path(snapshot_download(str(hf_dir), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
     sd: dict[str, torch.Tensor] = {}
     for file in _hf_weight_files(hf_dir):
         if file.suffix == ".safetensors":

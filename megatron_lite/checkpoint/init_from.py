@@ -25,7 +25,8 @@ from megatron_lite.model.transformer import VOCAB_PARAMETERS
 # that differs from the run in one of these would train silently on another model, so the
 # difference is refused; RoPE's base and scaling are the exception: changing them on purpose is
 # how a context is extended (a larger rope_theta, llama3 scaling), so they are only reported.
-SAME_REQUIRED = ("activation", "norm", "position", "norm_eps", "bias", "qk_norm", "tie_embeddings")
+SAME_REQUIRED = ("activation", "norm", "position", "norm_eps", "bias", "qkv_bias", "qk_norm",
+                 "tie_embeddings", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
 MAY_CHANGE = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_len", "max_seq_len")
 
@@ -73,12 +74,21 @@ def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
+def field_differences(source: ModelConfig, run: ModelConfig) -> list[str]:
+    """``model.FIELD=run's, the source's is ...`` for each field the source's weights fix: those
+    of ``SAME_REQUIRED``, and ``max_seq_len`` with learned positions (a table of that length)."""
+    fields = [*SAME_REQUIRED, *(("max_seq_len",) if run.position == "learned" else ())]
+    sizes = {"n_kv_heads": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.mlp_hidden}
+    value = {f: sizes.get(f, lambda c, f=f: getattr(c, f)) for f in fields}
+    return [f"model.{f}={value[f](run)!r}, the source's is {value[f](source)!r}"
+            for f in fields if value[f](run) != value[f](source)]
+
+
 def mismatches(source: ModelConfig, weights: dict[str, torch.Tensor], run: ModelConfig) -> list[str]:
     """Every reason the run's model (resolved: padded vocabulary, tokenizer rows) cannot start
-    from ``weights``: each missing, extra or differently shaped parameter, and each field of
-    ``SAME_REQUIRED`` that differs, one line each."""
-    problems = [f"model.{f}={getattr(run, f)!r}, the source's is {getattr(source, f)!r}"
-                for f in SAME_REQUIRED if getattr(run, f) != getattr(source, f)]
+    from ``weights``: each field the weights fix that differs (``field_differences``), then each
+    missing, extra or differently shaped parameter, one line each."""
+    problems = field_differences(source, run)
     expected = {name: tuple(p.shape) for name, p in build_model(run, device="meta").named_parameters()}
     used = run.tokenizer_vocab_size or run.vocab_size
     for name in sorted(expected.keys() | weights.keys()):
@@ -101,7 +111,12 @@ def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]
     """The weights of ``checkpoint.init_from`` for the resolved model ``run``, checked: every
     mismatch is refused at once, in one error listing all of them."""
     source_path = Path(path)
-    source, weights = read_source(source_path)
+    try:
+        source, weights = read_source(source_path)
+    except InitFromError:
+        raise
+    except (OSError, ValueError, KeyError, store.CheckpointError) as e:  # no weights, a corrupt file
+        raise InitFromError(f"checkpoint.init_from={path!r}: {e}") from None
     problems = mismatches(source, weights, run)
     if problems:
         listed = "\n  ".join(problems)

@@ -416,10 +416,12 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     """Start from the weights of another model: a checkpoint of this project (a step directory,
     or a ``checkpoint.dir`` whose ``latest`` names one) or a Hugging Face model directory (Llama,
-    Qwen3, GPT-2). Weights only: step 0, a fresh optimizer and schedule, data from the start; any
+    Qwen2, Qwen3, GPT-2). Weights only: step 0, a fresh optimizer and schedule, data from the start; any
     layout. The recipe's model must fit the weights (every mismatching parameter or field is
-    refused at once); RoPE's base and scaling may differ (a context extension). A run that has
-    its own checkpoint in ``dir`` resumes from it and ignores this (said in the log)."""
+    refused at once); RoPE's base and scaling may differ (a context extension). In bf16/fp16 the
+    weights start rounded to that precision (DeepSpeed's fp32 master copies are made from them).
+    A run that has its own checkpoint in ``dir`` resumes from it and ignores this (said in the
+    log)."""
     keep_last: int = 3
     """Keep the newest this many checkpoints (0: keep all); older ones are deleted only after a
     newer one is committed."""

@@ -153,6 +153,10 @@ def validate(cfg: Config) -> list[str]:
             problems.append(f"'training.rampup_batch_size' = {list(ramp)}: the start must be below "
                             f"'training.global_batch_size' = {t.global_batch_size} by a multiple of the "
                             "increment")
+        elif t.micro_batch_size >= 1 and (ramp[0] % t.micro_batch_size or ramp[1] % t.micro_batch_size):
+            # (Multiples of micro_batch_size × data-parallel size: checked with the layout.)
+            problems.append(f"'training.rampup_batch_size' = {list(ramp)}: the start and the increment must "
+                            f"be multiples of 'training.micro_batch_size' = {t.micro_batch_size}")
         need(t.iters is None, "'training.rampup_batch_size' needs sample-based training: give "
              "'training.train_tokens' instead of 'training.iters' (a ramp changes the samples per step)")
         need(cfg.parallel.pipeline == 1, "'training.rampup_batch_size' with 'parallel.pipeline' > 1 is "

@@ -31,6 +31,15 @@ def roll_back(self: Any, spike: StepContext) -> bool:
         self.spikes.record_note("stop", message)
         raise SpikeStop(message)
     target, to_step, position = found
+    phase = self.phases[-1]
+    if position < phase["start"]:
+        # Checked before anything is touched: the checkpoints, ``latest`` and the skip windows
+        # of the current phase stay as they are.
+        self.spikes.record_note("rollback_unavailable", (
+            f"the checkpoint to roll back to ({target.name}, sample {position}) is from before data "
+            f"phase {phase['phase']}, which starts at sample {phase['start']}: a rollback does not go "
+            "back across a change of data; the step was skipped instead"))
+        return False
     window = self.spikes.rollback_window(position, spike.consumed_after)
     # The data indices were planned for a budget of rollbacks (run.train_samples) assuming
     # saves every save_interval; after failed saves the target can be further back and the

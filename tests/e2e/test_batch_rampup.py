@@ -87,3 +87,8 @@ def test_ramp_settings_that_cannot_work_are_refused_together(tmp_path):
     assert proc.returncode == 2
     assert "the start must be below 'training.global_batch_size' = 12 by a multiple" in proc.stderr
     assert "give 'training.train_tokens' instead of 'training.iters'" in proc.stderr
+    proc = pretrain_main(["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *RAMP,
+                          "training.rampup_batch_size=[2,5,12]", "parallel.pipeline=2", "--dry-run"])
+    assert proc.returncode == 2
+    assert "must be multiples of 'training.micro_batch_size' = 2" in proc.stderr
+    assert "'parallel.pipeline' > 1 is not supported" in proc.stderr

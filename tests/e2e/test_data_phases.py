@@ -63,3 +63,26 @@ def test_a_phase_dataset_maps_the_runs_samples_and_names_its_phase():
     assert phase.locate(103) == {"phase": 2, "phase_sample": 3, "dataset": "numbers", "index": 3}
     with pytest.raises(DataPhaseError, match="before data phase 2"):
         phase[99]
+
+
+def test_a_rollback_never_goes_back_across_a_phase_start(tmp_path):
+    """A spike early in a new phase whose only older checkpoint is from the previous phase: the
+    step is skipped, and nothing of the run is touched (no checkpoint set aside, ``latest`` and
+    the new phase's data position as they were)."""
+    ck = tmp_path / "ck"
+    spikes = ["spikes.policy=rollback", "spikes.warmup_steps=2", "spikes.loss_z=3", "spikes.loss_ratio=1.02",
+              "spikes.grad_norm_z=0", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+    base = ["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *SHORT, *spikes,
+            f"checkpoint.dir={ck}"]
+    check(run_pretrain([*base, "training.iters=4"]))
+    # A rate that makes step 6 spike; the newest checkpoint 3 steps before it is phase 0's step 2.
+    proc = check(run_pretrain([*base, "training.iters=6", "data.seed=99", "data.on_resume=new_phase",
+                               "optimizer.lr=3", "schedule.on_resume=recipe",
+                               "spikes.rollback.min_steps_back=3"]))
+    events = [json.loads(line) for line in (tmp_path / "run" / "spikes.jsonl").read_text().splitlines()]
+    unavailable = [e for e in events if e["event"] == "rollback_unavailable"]
+    assert unavailable and "from before data phase 1" in unavailable[0]["message"], events
+    assert "rolled back" not in proc.stdout
+    assert not (ck / "abandoned").exists() and store.read_latest(ck).name == "step_00000006"
+    manifest = json.loads((store.read_latest(ck) / store.MANIFEST).read_text())
+    assert manifest["data"]["phases"][-1]["start"] == 32 and manifest["consumed_samples"] == 48
