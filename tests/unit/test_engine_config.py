@@ -4,11 +4,11 @@ import pytest
 
 from megatron_lite.config import load_config
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.data.batch_plan import BatchPlan, planned_steps
 from megatron_lite.distributed import ParallelDims
 from megatron_lite.engine.config import deepspeed_config
 from megatron_lite.model import build_model
 from megatron_lite.optim.optimizer import param_groups
-from megatron_lite.training.run import total_iters
 from tests.conftest import REPO
 
 RECIPE = REPO / "recipes/shakespeare-char.yaml"
@@ -105,9 +105,9 @@ def test_no_weight_decay_on_norms_and_biases():
 def test_token_budget_becomes_steps():
     cfg = load_config(RECIPE, ["training.iters=null", "training.train_tokens=10000"])
     # 12 samples × 64 tokens = 768 tokens per step -> ceil(10000 / 768) = 14 steps
-    assert total_iters(cfg, 12) == 14
-    assert total_iters(dataclasses.replace(cfg, training=dataclasses.replace(
-        cfg.training, iters=5, train_tokens=None)), 12) == 5
+    assert planned_steps(cfg, BatchPlan(12)) == (14, 14)
+    assert planned_steps(dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, iters=5, train_tokens=None)), BatchPlan(12)) == (5, 5)
 
 
 def test_gaudi_recipe_sets_zero3_as_intels_workflow_does():
