@@ -15,6 +15,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -50,7 +51,10 @@ def built(overrides: list[str], first: bool, env, acc) -> tuple[SimpleNamespace,
         dims = ParallelDims.plan(cfg, env.world_size, env.rank, env.local_rank, env.local_world_size)
         dims.create_groups(timedelta(minutes=cfg.distributed.timeout_minutes))
     init = partitioned_init(cfg, dims)[0]
-    parts = build(cfg, dims, acc, VOCAB, 2)
+    # A pipeline in bf16 without ZeRO is refused from DeepSpeed 0.17 (engine/versions.py), but its
+    # names are still checked where older releases run it: built past the refusal, here alone.
+    with mock.patch("megatron_lite.training.build.pipeline_bf16_problem", lambda *args: None):
+        parts = build(cfg, dims, acc, VOCAB, 2)
     data = torch.randint(0, VOCAB, (dims.global_batch(cfg), cfg.data.seq_length + 1),
                          generator=torch.Generator().manual_seed(0))
     mine = data[dims.dp_rank::dims.data].split(cfg.training.micro_batch_size)
