@@ -82,12 +82,15 @@ def ray_node(address: str, cpus: int, records: Path, env: dict[str, str],
     env = {**cpu_env(), **env, "RAY_AUTH_MODE": "disabled"}
     if node_id:
         env["RAY_OVERRIDE_NODE_ID_FOR_TESTING"] = node_id
-    own = tempfile.mkdtemp(prefix="n", dir=records)
-    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
-                             f"--num-cpus={cpus}", f"--temp-dir={own}", "--block"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
+    # A node's raylet waits for its dashboard agent, and `ray start` for the raylet, 30 s at most
+    # (fixed in Ray): with both cores busy (the other test worker) the agent's start has taken
+    # longer. Such a start is retried once; anything else fails at once.
+    for attempt in (1, 2):
+        own = tempfile.mkdtemp(prefix="n", dir=records)
+        node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={address}",
+                                 f"--num-cpus={cpus}", f"--temp-dir={own}", "--block"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         assert node.stdout is not None
         said = []
         for line in node.stdout:
@@ -95,7 +98,13 @@ def ray_node(address: str, cpus: int, records: Path, env: dict[str, str],
             if "Ray runtime started" in line:
                 break
         else:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=60)
+            if attempt == 1 and "timed out during startup" in "".join(said):
+                continue
             raise AssertionError("the Ray node did not start:\n" + "".join(said[-40:]))
+        break
+    try:
         threading.Thread(target=node.stdout.read, daemon=True).start()  # its pipe never fills
         yield
     finally:
