@@ -37,10 +37,9 @@ class InitFromError(ValueError):
 
 @dataclass
 class InitialWeights:
-    """The source's full weights by plain-model name, and what the log says about them."""
+    """The source's full weights by plain-model name."""
 
     weights: dict[str, torch.Tensor]
-    notes: list[str]
 
     def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """The full initial value of parameter ``name`` of ``shape``: the source's, its
@@ -123,14 +122,14 @@ def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]
         raise InitFromError(f"checkpoint.init_from={path!r} does not fit this run's model "
                             f"({len(problems)} problem(s)); set the recipe's model fields to the "
                             f"source's:\n  {listed}")
-    notes = [f"init_from: model.{f}={getattr(run, f)!r} here, {getattr(source, f)!r} in the source "
+    differing = [f"init_from: model.{f}={getattr(run, f)!r} here, {getattr(source, f)!r} in the source "
              "(this run's value is used)" for f in MAY_CHANGE if getattr(run, f) != getattr(source, f)]
     kind = "Hugging Face model" if is_hf_directory(source_path) else "checkpoint"
     log(f"init_from: weights of the {kind} {path} ({len(weights)} tensors); step 0, a fresh "
         "optimizer and schedule, data from the start")
-    for note in notes:
+    for note in differing:
         log(note)
-    return InitialWeights(weights, notes)
+    return InitialWeights(weights)
 
 
 def own_checkpoint(checkpoint_dir: str | None, resume: bool) -> Path | None:

@@ -114,23 +114,23 @@ def llama_config_from_hf(hf: Any) -> ModelConfig:
     return cfg
 
 
-def qwen2_config_from_hf(hf: Any) -> ModelConfig:
-    # Qwen2 is Llama with biases on q/k/v (always: its config has no switch for them).
+def _qwen_config(hf: Any, **differences: bool) -> ModelConfig:
+    """Qwen2 and Qwen3 are Llama with ``differences`` (Qwen2: biases on q/k/v, always: its config
+    has no switch for them; Qwen3: per-head query/key norms), and a sliding window we refuse."""
     cfg, refusals = _llama_family(hf)
     if getattr(hf, "use_sliding_window", False):
         refusals.append("use_sliding_window=True is not implemented (every layer's attention is full "
                         "and causal)")
     _refuse(hf.model_type, refusals)
-    return dataclasses.replace(cfg, qkv_bias=True)
+    return dataclasses.replace(cfg, **differences)
+
+
+def qwen2_config_from_hf(hf: Any) -> ModelConfig:
+    return _qwen_config(hf, qkv_bias=True)
 
 
 def qwen3_config_from_hf(hf: Any) -> ModelConfig:
-    cfg, refusals = _llama_family(hf)
-    if getattr(hf, "use_sliding_window", False):
-        refusals.append("use_sliding_window=True is not implemented (every layer's attention is full "
-                        "and causal)")
-    _refuse(hf.model_type, refusals)
-    return dataclasses.replace(cfg, qk_norm=True)
+    return _qwen_config(hf, qk_norm=True)
 
 
 # transformers' GPT-2 activation names -> ours. Its "gelu" is the exact (erf) form; "gelu_new" and
