@@ -80,6 +80,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def after_import(name: str, hook: Hook) -> None:
+    """Run ``hook(module)`` right after module ``name`` is first executed in this process."""
+    sys.meta_path.insert(0, _AfterImport({name: [hook]}))
+
+
 def _ranges(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
 

@@ -1,0 +1,74 @@
+"""Start-up speed of the processes the tests start (tests only; no effect on what they compute).
+
+torch wraps some of its own functions (``Optimizer.add_param_group``, the functional Adam, ...)
+in ``torch._compile._disable_dynamo``, whose first call imports ``torch._dynamo`` so that
+TorchDynamo does not trace them: a second of CPU in every process that builds an optimizer,
+and the suite starts a thousand such processes on two cores. Until ``torch._dynamo`` has been
+imported nothing can be tracing, so the wrapper here calls the function directly until then, and
+goes through torch's own wrapper (which imports TorchDynamo and disables it) from the first call
+after anything else imported it (``torch.compile``, ...). A real run imports TorchDynamo at its
+first ``add_param_group``; a rank under test imports it only if it compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from tests.faults import after_import
+
+
+def _lazy(original):
+    def _disable_dynamo(fn=None, recursive=True):
+        if fn is None:  # @_disable_dynamo(recursive=False)
+            return functools.partial(_disable_dynamo, recursive=recursive)
+        wrapped = original(fn, recursive)
+
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            return wrapped(*args, **kwargs)
+
+        return inner
+
+    return _disable_dynamo
+
+
+def _lazy_grad_mode(original):
+    def _use_grad_for_differentiable(func):
+        wrapped = original(func)
+
+        def _use_grad(*args, **kwargs):
+            if "torch._dynamo" in sys.modules:
+                return wrapped(*args, **kwargs)
+            import torch
+
+            before = torch.is_grad_enabled()
+            try:  # torch's wrapper without its graph breaks, which only a trace needs
+                torch.set_grad_enabled(args[0].defaults["differentiable"])
+                return func(*args, **kwargs)
+            finally:
+                torch.set_grad_enabled(before)
+
+        functools.update_wrapper(_use_grad, func)
+        return _use_grad
+
+    return _use_grad_for_differentiable
+
+
+def _patch(name: str, make):
+    def patch(module) -> None:
+        original = getattr(module, name, None)
+        if callable(original):  # another torch may lay this out otherwise: then nothing changes
+            setattr(module, name, make(original))
+
+    return patch
+
+
+def install() -> None:
+    """Before torch is imported (``torch/__init__`` binds ``torch._disable_dynamo`` from
+    ``torch._compile`` and decorates with it from then on)."""
+    if "torch" not in sys.modules:
+        after_import("torch._compile", _patch("_disable_dynamo", _lazy))
+        after_import("torch.optim.optimizer", _patch("_use_grad_for_differentiable", _lazy_grad_mode))
