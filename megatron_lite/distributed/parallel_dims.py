@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from megatron_lite.config.schema import Config
 
 
@@ -156,6 +154,8 @@ class ParallelDims:
         for), created on every rank in the same order as ``dist.new_group`` requires, and the two
         gloo groups of host control (``distributed/collectives.py``). Created for one rank too,
         so that a one-device run takes the same paths as a multi-device one."""
+        import torch.distributed as dist  # here: a launcher's layout check needs no torch
+
         self.create_control_groups(timeout, setup_timeout)
         for name, axes in GROUP_AXES.items():
             for ranks in self.group_ranks(axes):
@@ -183,6 +183,8 @@ class ParallelDims:
     def create_control_groups(self, timeout: timedelta, setup_timeout: timedelta | None = None) -> None:
         """Collective: the gloo groups of host control, first (once), so that ranks can agree
         on the rest of the layout before its groups exist."""
+        import torch.distributed as dist
+
         if "control" in self.groups:
             return
         # Host-side agreement (errors, stop flags, votes, objects) over gloo: it never waits for
