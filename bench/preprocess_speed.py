@@ -14,7 +14,8 @@ BPE files made here), at each worker count W, on one generated jsonl corpus:
 - for sentencepiece also Megatron-LM's per-document scheme (``imap`` of one JSON line per task,
   chunks of 32, one write per document), re-implemented with the same tokenizer.
 
-    python bench/preprocess_speed.py [--mb 64] [--workers 1 2] [--tokenizers sentencepiece huggingface]
+    python bench/preprocess_speed.py [--mb 64] [--rounds 3] [--workers 1 2]
+        [--tokenizers sentencepiece huggingface] [--no-baseline]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -151,6 +153,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--tokenizers", nargs="+", default=["sentencepiece", "huggingface"],
                    choices=["sentencepiece", "huggingface"])
+    p.add_argument("--rounds", type=int, default=3, help="runs of ours and of the limit, alternating")
     p.add_argument("--no-baseline", action="store_true", help="skip the per-document baseline")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,27 +177,37 @@ def main() -> None:
         print(f"corpus: {mib:.1f} MiB jsonl, vocabularies of {a.vocab}, {os.cpu_count()} cores")
         for kind, model in models.items():
             for w in a.workers:
-                t = time.perf_counter()
-                s = preprocess([str(corpus)], str(tmp / f"ours{w}"),
-                               PreprocessOptions(kind, model, append_eod=True, workers=w,
-                                                 show_progress=False), log=lambda *_: None)
-                ours_s = time.perf_counter() - t
-                ours_tokens = s.tokens["text"]
-                assert ours_tokens == IndexedDataset(tmp / f"ours{w}_text_document").n_tokens
-                limit_s, limit_tokens = limit(kind, model, corpus, w)
-                assert limit_tokens + s.documents == ours_tokens  # ours adds one EOD per document
-                line = (f"{kind} workers {w}: ours {ours_tokens / ours_s:,.0f} tokens/s "
-                        f"({mib / ours_s:.1f} MiB/s) | tokenizer alone "
-                        f"{limit_tokens / limit_s:,.0f} tokens/s | limit ratio {limit_s / ours_s:.2f}")
-                if kind == "sentencepiece" and not a.no_baseline:
+                ratios = []
+                for rnd in range(a.rounds):
+                    # Alternating which goes first: a machine's speed drifts within a round too.
+                    if rnd % 2:
+                        limit_s, limit_tokens = limit(kind, model, corpus, w)
                     t = time.perf_counter()
-                    base_tokens = baseline(corpus, tmp / f"base{w}", model, w, a.vocab)
-                    base_s = time.perf_counter() - t
-                    assert base_tokens == ours_tokens
-                    line += (f" | per-document baseline {base_tokens / base_s:,.0f} tokens/s, "
-                             f"ratio {base_s / ours_s:.2f}")
-                print(line, flush=True)
-
+                    out = tmp / f"ours{w}-{rnd}"
+                    options = PreprocessOptions(kind, model, append_eod=True, workers=w, show_progress=False)
+                    s = preprocess([str(corpus)], str(out), options, log=lambda *_: None)
+                    ours_s = time.perf_counter() - t
+                    if not rnd % 2:
+                        limit_s, limit_tokens = limit(kind, model, corpus, w)
+                    ours_tokens = s.tokens["text"]
+                    assert ours_tokens == IndexedDataset(f"{out}_text_document").n_tokens
+                    for suffix in (".bin", ".idx"):
+                        Path(f"{out}_text_document{suffix}").unlink()
+                    assert limit_tokens + s.documents == ours_tokens  # ours adds one EOD per document
+                    ratios.append(limit_s / ours_s)
+                    line = (f"{kind} workers {w} round {rnd + 1}: ours {ours_tokens / ours_s:,.0f} tokens/s "
+                            f"({mib / ours_s:.1f} MiB/s) | tokenizer alone "
+                            f"{limit_tokens / limit_s:,.0f} tokens/s | limit ratio {limit_s / ours_s:.2f}")
+                    if kind == "sentencepiece" and not a.no_baseline and rnd == 0:
+                        t = time.perf_counter()
+                        base_tokens = baseline(corpus, tmp / f"base{w}", model, w, a.vocab)
+                        base_s = time.perf_counter() - t
+                        assert base_tokens == ours_tokens
+                        line += (f" | per-document baseline {base_tokens / base_s:,.0f} tokens/s, "
+                                 f"ratio {base_s / ours_s:.2f}")
+                    print(line, flush=True)
+                print(f"{kind} workers {w}: limit ratios {', '.join(f'{r:.2f}' for r in ratios)} "
+                      f"(median {statistics.median(ratios):.2f})", flush=True)
 
 if __name__ == "__main__":
     main()
