@@ -7,7 +7,8 @@ and the suite starts a thousand such processes on two cores. Until ``torch._dyna
 imported nothing can be tracing, so the wrapper here calls the function directly until then, and
 goes through torch's own wrapper (which imports TorchDynamo and disables it) from the first call
 after anything else imported it (``torch.compile``, ...). A real run imports TorchDynamo at its
-first ``add_param_group``; a rank under test imports it only if it compiles.
+first ``add_param_group``; a rank under test imports it only if it compiles or recomputes
+activations (torch's checkpoint code reads TorchDynamo's settings).
 """
 
 from __future__ import annotations

@@ -169,3 +169,36 @@ def test_starting_a_run_does_not_import_the_compiler():
              "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_preprocessing_and_the_launchers_layout_check_do_not_import_torch(tmp_path):
+    """``tools/preprocess_data.py`` (one process or a rank under a launcher) and the launchers'
+    ``pretrain.py RECIPE --print-config --world-size N`` never need torch: importing it is a
+    second of their start, more on a login node's shared filesystem."""
+    import json
+    import subprocess
+    import sys
+
+    from megatron_lite.data.tokenizers import CharTokenizer
+
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "abc cab"}) + "\n")
+    CharTokenizer.build("abc cab", tmp_path / "chars.json")
+    probe = (
+        "import runpy, sys\n"
+        "def run(argv):\n"
+        "    sys.argv = argv\n"
+        "    try:\n"
+        "        runpy.run_path(argv[0], run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, (argv, e.code)\n"
+        f"run(['tools/preprocess_data.py', '--input', {str(tmp_path / 'in.jsonl')!r}, '--output-prefix',\n"
+        f"     {str(tmp_path / 'o')!r}, '--tokenizer-type', 'char', '--tokenizer-model',\n"
+        f"     {str(tmp_path / 'chars.json')!r}, '--no-progress', '--rank', '0', '--world-size', '1'])\n"
+        "import pretrain\n"  # its __main__ block ends the process (exit_process)
+        "assert pretrain.main(['recipes/gpt2-124m.yaml', '--print-config', '--world-size', '8',\n"
+        "                      '--gpus-per-node', '4']) == 0\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    said = out.stderr.strip().splitlines()
+    assert out.returncode == 0 and said[-1:] == ["False"], out.stdout[-2000:] + out.stderr
+    assert (tmp_path / "o_text_document.idx").is_file()
