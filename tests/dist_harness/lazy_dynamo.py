@@ -9,11 +9,18 @@ goes through torch's own wrapper (which imports TorchDynamo and disables it) fro
 after anything else imported it (``torch.compile``, ...). A real run imports TorchDynamo at its
 first ``add_param_group``; a rank under test imports it only if it compiles or recomputes
 activations (torch's checkpoint code reads TorchDynamo's settings).
+
+Likewise in DeepSpeed's ZeRO, which imports TorchDynamo and Inductor (two seconds of CPU) in
+every rank and never traces: ``torch.compiler.disable`` (ZeRO-3's hooks) calls through until
+TorchDynamo is imported, and ``torch.compile`` of a plain function (the Muon optimizer's module,
+imported by ZeRO's optimizer check, compiles one at import) is made at the function's first
+call rather than where it is decorated. Modules compile as before.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 
 from tests.faults import after_import
@@ -58,6 +65,46 @@ def _lazy_grad_mode(original):
     return _use_grad_for_differentiable
 
 
+def _lazy_compiler_disable(original):
+    def disable(fn=None, *args, **kwargs):
+        if fn is None:  # @torch.compiler.disable(recursive=False)
+            return functools.partial(disable, *args, **kwargs)
+        disabled = None
+
+        @functools.wraps(fn)
+        def inner(*a, **kw):
+            nonlocal disabled
+            if "torch._dynamo" not in sys.modules:
+                return fn(*a, **kw)
+            if disabled is None:
+                disabled = original(fn, *args, **kwargs)
+            return disabled(*a, **kw)
+
+        return inner
+
+    return disable
+
+
+def _lazy_compile(original):
+    def compile(model=None, **options):  # noqa: A001 (torch's name)
+        if model is None:  # @torch.compile(...)
+            return functools.partial(compile, **options)
+        if not inspect.isfunction(model):  # modules (and anything else) as torch does it
+            return original(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = original(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    return compile
+
+
 def _patch(name: str, make):
     def patch(module) -> None:
         original = getattr(module, name, None)
@@ -73,3 +120,5 @@ def install() -> None:
     if "torch" not in sys.modules:
         after_import("torch._compile", _patch("_disable_dynamo", _lazy))
         after_import("torch.optim.optimizer", _patch("_use_grad_for_differentiable", _lazy_grad_mode))
+        after_import("torch", _patch("compile", _lazy_compile))
+        after_import("torch.compiler", _patch("disable", _lazy_compiler_disable))
