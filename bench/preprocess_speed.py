@@ -7,9 +7,11 @@ BPE files made here), at each worker count W, on one generated jsonl corpus:
 - ours: ``tools/preprocess_data.py``'s ``preprocess`` end to end (reading, JSON, tokenizing,
   writing .bin/.idx) with ``--workers W``;
 - the limit: W processes, each given its share of the documents already parsed in memory,
-  encoding them with the tokenizer's native batch call (sentencepiece's ``encode`` of a list,
-  the ``tokenizers`` library's ``encode_batch_fast``), threaded as ours is (one thread per process
-  when W > 1); the time from a common start to the last process's end. Nothing a tool does
+  encoding them with the tokenizer's fastest native batch call (sentencepiece's ``encode`` of a
+  list, to arrays where the installed sentencepiece can; the ``tokenizers`` library's
+  ``encode_batch_fast``), threaded as ours is (the tokenizer's own threads on every core in one
+  process, one thread per process when W > 1); the time from a common start to the last
+  process's end. Nothing a tool does
   besides tokenizing is in it, so ``limit / ours`` is at most about 1;
 - for sentencepiece also Megatron-LM's per-document scheme (``imap`` of one JSON line per task,
   chunks of 32, one write per document), re-implemented with the same tokenizer.
@@ -65,8 +67,9 @@ def make_corpus(path: Path, megabytes: int) -> None:
 
 def _native(tok):
     """The tokenizer's own batch call, without our wrapper."""
-    if hasattr(tok, "sp"):
-        return lambda texts: tok.sp.encode(texts, num_threads=tok.num_threads)
+    if hasattr(tok, "sp"):  # its fastest output: arrays where this sentencepiece makes them
+        out = {"out_type": "numpy"} if tok.encode_batch_arrays(["a"]) is not None else {}
+        return lambda texts: tok.sp.encode(texts, num_threads=tok.num_threads, **out)
     backend = tok.tok.backend_tokenizer  # its fastest batch call: no offsets computed
     backend.encode_special_tokens = True
     return lambda texts: [e.ids for e in backend.encode_batch_fast(texts)]

@@ -89,6 +89,7 @@ class SentencePieceTokenizer:
         self.special_texts = tuple(self.sp.id_to_piece(i) for i in range(self.vocab_size)
                                    if self.sp.is_control(i) or self.sp.is_unknown(i))
         self.num_threads = -1  # preprocessing workers set 1: the processes are the parallelism
+        self._numpy_output = _has_numpy_output(self.sp)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -97,8 +98,24 @@ class SentencePieceTokenizer:
         # sentencepiece encodes a list in its own C++ threads (all cores unless limited).
         return self.sp.encode(list(texts), num_threads=self.num_threads)
 
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray] | None:
+        """``encode_batch`` as int32 arrays, made without a Python int per token (a tenth of
+        preprocessing's time); None where the installed sentencepiece has no such output."""
+        if not self._numpy_output:
+            return None
+        return self.sp.encode(list(texts), num_threads=self.num_threads, out_type="numpy")
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
+
+
+def _has_numpy_output(sp) -> bool:
+    """Whether this sentencepiece encodes to arrays (``out_type="numpy"``, newer releases)."""
+    try:
+        out = sp.encode(["a"], out_type="numpy")
+    except (ValueError, TypeError, RuntimeError):
+        return False
+    return bool(out) and isinstance(out[0], np.ndarray)
 
 
 class MegatronSentencePieceTokenizer(SentencePieceTokenizer):
@@ -116,6 +133,7 @@ class MegatronSentencePieceTokenizer(SentencePieceTokenizer):
 
     def __init__(self, path: str | Path):
         super().__init__(path)
+        self._numpy_output = False  # its encode splits at the special tokens first
         size = self.vocab_size
         vocab = {self.sp.id_to_piece(i): i for i in range(size)}
         self.specials: dict[str, int] = {}

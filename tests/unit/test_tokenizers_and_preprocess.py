@@ -54,6 +54,48 @@ def test_sentencepiece_round_trip(sp_model):
         assert tok.decode(tok.encode(text)) == text
 
 
+def test_sentencepiece_arrays_are_its_lists(sp_model):
+    """Preprocessing's array output is sentencepiece's own ids, where the installed release
+    makes arrays; Megatron's tokenizer (special tokens split out first) never takes it."""
+    tok = load_tokenizer("sentencepiece", sp_model)
+    arrays = tok.encode_batch_arrays(TEXTS)
+    if arrays is None:  # an older sentencepiece: it really has no array output
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            tok.sp.encode(TEXTS, out_type="numpy")
+    else:
+        assert [a.tolist() for a in arrays] == tok.encode_batch(TEXTS)
+    assert load_tokenizer("megatron-sentencepiece", sp_model).encode_batch_arrays(TEXTS) is None
+
+
+def test_one_process_encodes_in_two_threads_in_input_order(tmp_path, sp_model, monkeypatch):
+    """Many small batches through the two encoding threads of a one-process run: every
+    document comes out in input order, as sentencepiece encodes it alone."""
+    import threading
+
+    import sentencepiece as spm
+
+    import megatron_lite.data.preprocess.encode as encode
+    from megatron_lite.data.preprocess import readers
+
+    monkeypatch.setattr(readers, "BATCH_BYTES", 2048)
+    threads = set()
+    encode_batch = encode.encode_batch
+
+    def spy(batch):
+        threads.add(threading.current_thread().name)
+        return encode_batch(batch)
+
+    monkeypatch.setattr(encode, "encode_batch", spy)
+    docs = [f"{i}: " + " ".join(TEXTS[(i + k) % len(TEXTS)] for k in range(1 + i % 9)) for i in range(500)]
+    _jsonl(tmp_path / "in.jsonl", docs)
+    preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
+               PreprocessOptions("sentencepiece", sp_model, append_eod=True, workers=1), log=lambda *a: None)
+    assert len(threads) == 2 and all(name.startswith("encode") for name in threads), threads
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    ds = IndexedDataset(tmp_path / "out_text_document")
+    assert [ds[i].tolist() for i in range(len(ds))] == [sp.encode(d) + [sp.eos_id()] for d in docs]
+
+
 def test_huggingface_local_directory(hf_dir):
     tok = load_tokenizer("huggingface", hf_dir)
     assert tok.eod_id == 1

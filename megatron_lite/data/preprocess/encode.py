@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +34,12 @@ class Encoder:
         written = re.compile("|".join(map(re.escape, specials))) if specials else None
         return cls(tok, separator_policy(tok, append_eod), keys, np.dtype(dtype), written)
 
+
+TOKENIZER_LOCK = threading.Lock()
+"""Held around every tokenizer call. A process that encodes in two threads (one process, no
+workers) overlaps one batch's parsing and flattening with the other's tokenizing, which runs
+without the GIL; the tokenizer itself is never called from two threads at once (a Hugging Face
+backend refuses that: "Already borrowed")."""
 
 _encoder: Encoder | None = None
 """This process's encoder: a process pool's initializer sets it once per worker process (the
@@ -67,7 +74,8 @@ def _first_unencodable(tok, docs: list[dict], wheres: list[str], key: str) -> st
     """Where the first document the tokenizer refuses comes from (``file:line``)."""
     for doc, where in zip(docs, wheres, strict=True):
         try:
-            tok.encode_batch([doc[key]])
+            with TOKENIZER_LOCK:
+                tok.encode_batch([doc[key]])
         except ValueError:
             return where
     return None
@@ -91,9 +99,14 @@ def encode_batch(batch: list[Record]):
                 problems.append(("special-token text" if not getattr(tok, "megatron_exact", False)
                                  else "special-token text (parsed)", rec.where))
     out = {}
+    arrays = getattr(tok, "encode_batch_arrays", None)
     for key in keys:
+        texts = [d[key] for d in docs]
         try:
-            ids = tok.encode_batch([d[key] for d in docs])
+            with TOKENIZER_LOCK:
+                ids = arrays(texts) if arrays is not None else None
+                if ids is None:
+                    ids = tok.encode_batch(texts)
         except ValueError as e:  # a character outside a char vocabulary: which document has it
             raise ValueError(f"{_first_unencodable(tok, docs, wheres, key) or 'a document'}: {e}") from None
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))

@@ -117,7 +117,7 @@ def parse_record(rec: Record, keys: Sequence[str], problems: list[tuple[str, str
     if any(not obj[k].strip() for k in keys):
         problems.append(("empty or whitespace-only document", rec.where))
         return None
-    if any(LONE_SURROGATE.search(obj[k]) for k in keys):
+    if any(not obj[k].isascii() and LONE_SURROGATE.search(obj[k]) for k in keys):
         # Valid pairs were joined by the JSON decoder; a lone half cannot be encoded as UTF-8
         # (every tokenizer would raise on it).
         obj = {**obj, **{k: LONE_SURROGATE.sub("\ufffd", obj[k]) for k in keys}}
