@@ -126,23 +126,22 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
 
 def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A rank really dies (SIGKILL) inside the second save: after its shard is written but before
-    the commit, or after the commit but before ``latest`` moved. ``latest`` still names the first
-    checkpoint and the run resumes from it to the same losses as an uninterrupted run. (One
-    uninterrupted run serves both crash points: its losses, and its first checkpoint as what the
-    crashed runs start from.)"""
+    the commit; then the run resumed from what that left dies again, after the commit but before
+    ``latest`` moved. ``latest`` still names the first checkpoint each time, and the run resumes
+    from it to the same losses as an uninterrupted run. (The uninterrupted run gives the losses
+    and, as it was right after its first save, the checkpoint the crashed run starts from.)"""
     import shutil
 
     args = _args(tmp_path, "training.iters=6", "parallel.zero_stage=1")
     check(run_pretrain([*args, f"logging.dir={tmp_path}/full", f"checkpoint.dir={tmp_path}/ck-full",
                         "checkpoint.save_interval=2", "checkpoint.keep_last=0"], nproc=2))
     want = _records(tmp_path / "full", 3)
+    ck_dir = tmp_path / "ck"
+    shutil.copytree(tmp_path / "ck-full", ck_dir,
+                    ignore=shutil.ignore_patterns("step_00000004", "step_00000006"))
+    (ck_dir / "latest").write_text("step_00000002\n")
+    ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
     for n, crash in enumerate(["after_rank_file:1", "before_latest"]):
-        ck_dir = tmp_path / f"ck{n}"
-        # As the uninterrupted run was right after its first save.
-        shutil.copytree(tmp_path / "ck-full", ck_dir, ignore=shutil.ignore_patterns("step_00000004",
-                                                                                  "step_00000006"))
-        (ck_dir / "latest").write_text("step_00000002\n")
-        ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}",
                NO_TENSORBOARD]
@@ -150,16 +149,17 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
         crashed = subprocess.run(cmd, cwd=REPO, env={**cpu_env(), "FAULT_KILL_AT": crash},
                                  capture_output=True, text=True, timeout=300)
         assert crashed.returncode != 0, crash
+        assert "step_00000002 at step 2" in crashed.stdout, (crash, crashed.stdout[-3000:])
         assert (ck_dir / "latest").read_text().strip() == "step_00000002", crash
         # Killed before the commit: no step 4; after it: step 4 complete, only `latest` behind.
         committed = (ck_dir / "step_00000004" / "manifest.json").is_file()
         assert committed == (crash == "before_latest"), (crash, sorted(p.name for p in ck_dir.iterdir()))
-        proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b{n}"], nproc=2))
-        assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
-        assert not list(ck_dir.glob(".tmp-*")), crash
-        got = _records(tmp_path / f"b{n}", 1)
-        assert [r["step"] for r in got] == [3, 4, 5, 6], crash
-        assert [r["loss"] for r in got] == [r["loss"] for r in want], crash
+    proc = check(run_pretrain([*args, *ck, f"logging.dir={tmp_path}/b"], nproc=2))
+    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+    assert not list(ck_dir.glob(".tmp-*"))
+    got = _records(tmp_path / "b", 1)
+    assert [r["step"] for r in got] == [3, 4, 5, 6]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
 
 
 def test_a_stop_while_a_background_save_is_in_flight_waits_for_the_save(tmp_path):
