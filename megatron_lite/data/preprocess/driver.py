@@ -193,7 +193,8 @@ def _encode_into(paths, options: PreprocessOptions, tokenizer: Tokenizer, prefix
             # other batch is in the tokenizer, which releases the GIL and uses every core; in
             # turn, the second core is otherwise idle for a tenth of the time.
             pool = ThreadPoolExecutor(2, thread_name_prefix="encode")
-        results = _in_order(pool, batches, ahead=4 * max(workers, 2))
+        # In flight: a batch per thread and one read ahead (processes: four each, their pipes).
+        results = _in_order(pool, batches, ahead=4 * workers if workers > 1 else 3)
         for out, n_docs, problems, keys_seen in results:
             if keys_seen and len(summary.keys_seen) < MAX_KEYS_SEEN:
                 summary.keys_seen = sorted({*summary.keys_seen, *keys_seen})[:MAX_KEYS_SEEN]
