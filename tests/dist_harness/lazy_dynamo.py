@@ -26,19 +26,28 @@ import sys
 from tests.faults import after_import
 
 
+def _until_dynamo(fn, disabled):
+    """``fn`` called directly while ``torch._dynamo`` is not imported; from then on
+    ``disabled()`` (torch's own wrapper of it, made at that first call)."""
+    made = None
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        nonlocal made
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if made is None:
+            made = disabled()
+        return made(*args, **kwargs)
+
+    return inner
+
+
 def _lazy(original):
     def _disable_dynamo(fn=None, recursive=True):
         if fn is None:  # @_disable_dynamo(recursive=False)
             return functools.partial(_disable_dynamo, recursive=recursive)
-        wrapped = original(fn, recursive)
-
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            if "torch._dynamo" not in sys.modules:
-                return fn(*args, **kwargs)
-            return wrapped(*args, **kwargs)
-
-        return inner
+        return _until_dynamo(fn, lambda: original(fn, recursive))
 
     return _disable_dynamo
 
@@ -69,18 +78,7 @@ def _lazy_compiler_disable(original):
     def disable(fn=None, *args, **kwargs):
         if fn is None:  # @torch.compiler.disable(recursive=False)
             return functools.partial(disable, *args, **kwargs)
-        disabled = None
-
-        @functools.wraps(fn)
-        def inner(*a, **kw):
-            nonlocal disabled
-            if "torch._dynamo" not in sys.modules:
-                return fn(*a, **kw)
-            if disabled is None:
-                disabled = original(fn, *args, **kwargs)
-            return disabled(*a, **kw)
-
-        return inner
+        return _until_dynamo(fn, lambda: original(fn, *args, **kwargs))
 
     return disable
 

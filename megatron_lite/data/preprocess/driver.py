@@ -190,8 +190,8 @@ def _encode_into(paths, options: PreprocessOptions, tokenizer: Tokenizer, prefix
         if pool is None:
             encode.init_worker(*init_args, tok=tokenizer)  # loaded once (transformers: seconds)
             # Two threads: one batch's parsing and flattening (Python, one core) runs while the
-            # other batch is in the tokenizer, which releases the GIL and uses every core; in
-            # turn, the second core is otherwise idle for a tenth of the time.
+            # other batch is in the tokenizer, which releases the GIL and uses every core. In one
+            # thread a core would idle through the Python part, a tenth of the time.
             pool = ThreadPoolExecutor(2, thread_name_prefix="encode")
         # In flight: a batch per thread and one read ahead (processes: four each, their pipes).
         results = _in_order(pool, batches, ahead=4 * workers if workers > 1 else 3)
