@@ -206,7 +206,7 @@ def main() -> None:
         ours = [sys.executable, str(REPO / "pretrain.py"), str(RECIPE), *data, f"training.iters={a.iters}",
                 "checkpoint.dir=null", *a.overrides]
         # The dataset exists before either is timed (built by ours, once).
-        subprocess.run([*ours[:3], *data, "training.iters=1", "training.eval_iters=1",
+        subprocess.run([*ours[:3], *data, *a.overrides, "training.iters=1", "training.eval_iters=1",
                         "training.sample_tokens=0", f"logging.dir={tmp}/warm"], cwd=REPO, env=env,
                        check=True, capture_output=True)
         lean_cmd = [sys.executable, __file__, "--lean", "--iters", str(a.iters), "--prefix", prefix,

@@ -59,8 +59,11 @@ def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
             fragments += file_fragments(state, file.stat().st_size)
         except (KeyError, TypeError, ValueError) as e:
             raise store.CheckpointError(f"{file} is not a rank file of this format: {e}") from None
+    model = manifest["model"]
+    heads = model.get("n_heads"), model.get("n_kv_heads") or model.get("n_heads")
     try:
-        assembler = Assembler(fragments)
+        assembler = Assembler(fragments, heads=heads if all(isinstance(h, int) and h > 0 for h in heads)
+                              else None)
     except (TypeError, ValueError) as e:
         raise store.CheckpointError(f"{path}: {e}") from None
     fields = {k: v for k, v in manifest["model"].items() if k in MODEL_FIELDS}
@@ -136,9 +139,8 @@ def _deciding(name: str) -> tuple[str, ...]:
     rules = (("lm_head.", ("tie_embeddings",)), ("pos_emb.", ("position", "max_seq_len")),
              ("norm.bias", ("norm", "bias")), (".bias", ("bias", "qkv_bias")),
              ("q_norm.", ("qk_norm", "n_heads")), ("k_norm.", ("qk_norm", "n_heads")),
-             ("gate_proj.", ("activation", "ffn_hidden")), ("mlp.", ("ffn_hidden", "activation")),
-             ("k_proj.", ("n_kv_heads", "n_heads")), ("v_proj.", ("n_kv_heads", "n_heads")),
-             ("q_proj.", ("n_heads", "d_model")))
+             ("gate_up_proj.", ("activation", "ffn_hidden")), ("mlp.", ("ffn_hidden", "activation")),
+             ("qkv_proj.", ("n_kv_heads", "n_heads")))
     return next((fields for part, fields in rules if part in name), ("d_model",))
 
 

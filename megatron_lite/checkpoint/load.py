@@ -12,7 +12,7 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.context import CheckpointContext, as_checkpoint_error
 from megatron_lite.checkpoint.manifest import RESUME_SECTIONS, listed_file, read_manifest, verify
 from megatron_lite.checkpoint.run_state import EngineState, RngState
-from megatron_lite.checkpoint.shard_index import has_fragment_index, needed_files
+from megatron_lite.checkpoint.shard_index import has_fragment_index, lists_unfused, needed_files
 from megatron_lite.checkpoint.shards import Assembler, file_fragments, load_fragments, shape_mismatches
 from megatron_lite.checkpoint.store import CheckpointError
 from megatron_lite.config.schema import ModelConfig
@@ -173,8 +173,11 @@ class CheckpointReader:
             # of fragments), rank 0's (the trainer's state) and, same layout, its own (its RNG):
             # not every rank reading every file.
             always = [store.rank_file(0), *([store.rank_file(self.dims.rank)] if same_layout else [])]
+            # (One written before q|k|v and gate|up were fused lists the separate projections,
+            # which the index does not match to the fused ones: every file is read, once.)
             wanted = (needed_files(manifest["files"], self.engine.module, always)
-                      if has_fragment_index(manifest["files"]) else None)
+                      if has_fragment_index(manifest["files"]) and not lists_unfused(manifest["files"])
+                      else None)
             fragments = []
             for entry in manifest["files"] if wanted is None else wanted:
                 file = listed_file(path, entry)
@@ -183,7 +186,8 @@ class CheckpointReader:
                     fragments += file_fragments(states[entry["name"]], file.stat().st_size)
                 except ValueError as e:
                     raise CheckpointError(f"{file}: {e}") from None
-            assembler = Assembler(fragments, complete=wanted is None)
+            model = self.ctx.model_cfg
+            assembler = Assembler(fragments, complete=wanted is None, heads=(model.n_heads, model.kv_heads))
             # Before anything is assembled: a manifest whose model section does not describe its
             # weights (or strict_model=false) is refused by name, not as a size error midway.
             mismatched = shape_mismatches(

@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_lite.distributed.shard_spec import Cut, spec, whole_shape
 from megatron_lite.engine import internals as ds
+from megatron_lite.model.fused import fusable
 
 IndexEntry = tuple[str, tuple[Cut, ...], tuple[int, ...], int, int]
 """A fragment as a manifest lists it: (name, cuts, slice_shape, start, numel)."""
@@ -78,6 +79,12 @@ def has_fragment_index(files: list[dict]) -> bool:
     """Whether a manifest lists each file's fragments (not one written before the index
     existed: then every file is read)."""
     return all(isinstance(f.get("fragments"), list) for f in files)
+
+
+def lists_unfused(files: list[dict]) -> bool:
+    """Whether a manifest's index lists separate q/k/v or gate/up projections (a checkpoint
+    written before they were fused: ``model/fused.py``)."""
+    return bool(fusable(entry[0] for f in files for entry in f["fragments"]))
 
 
 def needed_files(files: list[dict], module: nn.Module, always: Iterable[str]) -> list[dict]:

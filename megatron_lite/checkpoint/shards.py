@@ -27,6 +27,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec, whole_shape
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.internals import torch_optimizer
+from megatron_lite.model.fused import fusable, fuse_parts
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 
@@ -174,26 +175,39 @@ def local_fragments(engine, dims: ParallelDims,
 class Assembler:
     """Full tensors by (plain-model name, key), assembled on demand from all ranks' fragments,
     or with ``complete=False`` from the fragments a rank needs (``needed_files``): what they do
-    not cover is NaN, and the loader checks its own region (``load_fragments``)."""
+    not cover is NaN, and the loader checks its own region (``load_fragments``).
 
-    def __init__(self, fragments: Iterable[Fragment], complete: bool = True):
+    ``heads``: (n_heads, n_kv_heads) of the model; a checkpoint written before q|k|v and gate|up
+    were fused then offers its separate projections under the fused names (``model/fused.py``),
+    weights and optimizer moments alike."""
+
+    def __init__(self, fragments: Iterable[Fragment], complete: bool = True,
+                 heads: tuple[int, int] | None = None):
         self.complete = complete
         self.by_name: dict[str, list[Fragment]] = {}
         for f in fragments:
             f.check()
             self.by_name.setdefault(f.name, []).append(f)
+        self.heads = heads
+        self.merged = fusable(self.by_name) if heads is not None else {}
+        self._parts = {p for parts in self.merged.values() for p in parts}
 
     def names(self) -> set[str]:
-        return set(self.by_name)
+        return (set(self.by_name) - self._parts) | set(self.merged)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole shape of ``name`` its fragments record (bounded by what they hold), without
         assembling it."""
+        if name in self.merged:
+            shapes = [self.shape(p) for p in self.merged[name]]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         frags = self.by_name[name]
         self._check_extent(name, frags)
         return whole_shape(frags[0].slice_shape, frags[0].cuts)
 
     def full(self, name: str, key: str) -> torch.Tensor:
+        if name in self.merged:
+            return fuse_parts(name, [self.full(p, key) for p in self.merged[name]], *self.heads)
         frags = self.by_name.get(name)
         if not frags:
             raise KeyError(f"the checkpoint has no parameter '{name}'")

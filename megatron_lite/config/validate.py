@@ -283,8 +283,9 @@ def _fp8_problems(cfg: Config) -> list[str]:
 def _block_linear_shapes(m, tensor: int) -> dict[str, tuple[int, int]]:
     """(rows, columns) of each block linear's weight on one tensor-parallel rank."""
     q, kv, ffn = m.n_heads * m.head_dim // tensor, m.kv_heads * m.head_dim // tensor, m.mlp_hidden // tensor
-    return {"q_proj": (q, m.d_model), "k_proj": (kv, m.d_model), "v_proj": (kv, m.d_model),
-            "o_proj": (m.d_model, q), "up_proj": (ffn, m.d_model), "down_proj": (m.d_model, ffn)}
+    up = ("gate_up_proj", 2 * ffn) if m.activation == "swiglu" else ("up_proj", ffn)
+    return {"qkv_proj": (q + 2 * kv, m.d_model), "o_proj": (m.d_model, q), up[0]: (up[1], m.d_model),
+            "down_proj": (m.d_model, ffn)}
 
 
 def _parallel_problems(cfg: Config) -> list[str]:

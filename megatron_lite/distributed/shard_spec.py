@@ -63,7 +63,7 @@ def joined(pieces: Iterable[tuple[Iterable[Cut], torch.Tensor]]) -> torch.Tensor
 @dataclass(frozen=True)
 class ShardSpec:
     name: str
-    """The parameter's name in the plain model (``blocks.0.attn.q_proj.weight``)."""
+    """The parameter's name in the plain model (``blocks.0.attn.qkv_proj.weight``)."""
     full_shape: tuple[int, ...]
     """Its shape in the plain model."""
     dim: int | None = None

@@ -3,9 +3,10 @@
 Supported: ``LlamaForCausalLM`` (incl. grouped-query attention), ``Qwen2ForCausalLM`` (Llama
 with biases on q/k/v: ``model.qkv_bias``), ``Qwen3ForCausalLM`` (Llama with per-head query/key
 norms: ``model.qk_norm``) and ``GPT2LMHeadModel``.
-Llama's layout matches ours name for name; GPT-2 fuses q/k/v into one ``Conv1D`` whose weights
-are stored transposed. RoPE uses the same half-split layout as HF's ``rotate_half``, so Llama
-q/k weights copy without permutation.
+Llama's separate q/k/v and gate/up projections are fused into ours (``model/fused.py``: rows
+regrouped, nothing else), the rest matches name for name; GPT-2 fuses q/k/v into one ``Conv1D``
+in the order [Q|K|V], with its weights stored transposed. RoPE uses the same half-split layout as
+HF's ``rotate_half``, so Llama q/k weights need no permutation within a head.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.model.fused import fuse_state_dict, unfuse_state_dict
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 StateDict = dict[str, torch.Tensor]
@@ -161,7 +163,8 @@ def gpt2_config_from_hf(hf: Any) -> ModelConfig:
     )
 
 
-# Llama: our names mirror HF's, under shorter prefixes.
+# Llama: our names mirror HF's, under shorter prefixes, before q/k/v and gate/up are fused
+# (model/fused.py).
 _LLAMA_LAYER = {
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
     "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
@@ -194,11 +197,13 @@ def llama_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict
     omit ``lm_head.weight``)."""
     sd = dict(sd)
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-    return {ours: sd[theirs] for ours, theirs in _llama_names(cfg).items()}
+    return fuse_state_dict({ours: sd[theirs] for ours, theirs in _llama_names(cfg).items()},
+                           cfg.n_heads, cfg.kv_heads)
 
 
 def llama_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     """Our state dict -> HF ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with ``qk_norm``)."""
+    sd = unfuse_state_dict(sd, cfg.n_heads, cfg.kv_heads)
     return {theirs: sd[ours] for ours, theirs in _llama_names(cfg).items()}
 
 
@@ -225,11 +230,12 @@ def gpt2_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
         for name, w, b in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
             out[o + f"attn.{name}_proj.weight"] = w.contiguous()
             out[o + f"attn.{name}_proj.bias"] = b
-    return out
+    return fuse_state_dict(out, cfg.n_heads, cfg.kv_heads)
 
 
 def gpt2_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     """Our state dict -> HF ``GPT2LMHeadModel``."""
+    sd = unfuse_state_dict(sd, cfg.n_heads, cfg.kv_heads)
     out: StateDict = {"transformer.wte.weight": sd["tok_emb.weight"],
                       "transformer.wpe.weight": sd["pos_emb.weight"],
                       "transformer.ln_f.weight": sd["norm.weight"],

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.document_attention import document_attention
+from megatron_lite.model.fused import fuse_gate_up, fuse_qkv
 from megatron_lite.model.loss import IGNORED, linear_cross_entropy
 
 VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
@@ -41,6 +42,10 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ..
     every device and layout must start from the same weights.
     """
     used = cfg.tokenizer_vocab_size or shape[0]
+    if ".qkv_proj." in name or ".gate_up_proj." in name:
+        # Drawn as the separate projections they fuse, under those names: the same model as
+        # before fusing, whatever the layout.
+        return fused_initial_value(cfg, name, shape, seed)
     if name in VOCAB_PARAMETERS and used < shape[0]:
         real = initial_value(cfg, name, (used, *shape[1:]), seed)
         return torch.cat([real, real.new_zeros(shape[0] - used, *shape[1:])])
@@ -53,6 +58,20 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ..
         std /= math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def fused_initial_value(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...],
+                        seed: int) -> torch.Tensor:
+    """``initial_value`` of a fused projection: its parts' values, fused."""
+    rest = tuple(shape[1:])
+    if ".qkv_proj." in name:
+        q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        q, k, v = (initial_value(cfg, name.replace("qkv_proj", part), (rows, *rest), seed)
+                   for part, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)))
+        return fuse_qkv(q, k, v, cfg.n_heads, cfg.kv_heads)
+    gate, up = (initial_value(cfg, name.replace("gate_up_proj", part), (shape[0] // 2, *rest), seed)
+                for part in ("gate_proj", "up_proj"))
+    return fuse_gate_up(gate, up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -180,12 +199,10 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
-        # Separate projections: on CPU a fused [q|k|v] matmul saves less than the backward's
-        # concatenation of its gradients costs, and the tensor-parallel step shards each alike.
-        qkv_bias = cfg.bias or cfg.qkv_bias
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.group = self.n_heads // self.n_kv_heads  # query heads per key/value head
+        # Queries, keys and values in one product, grouped by key/value head (model/fused.py).
+        rows = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.d_model, rows, bias=cfg.bias or cfg.qkv_bias)
         # Qwen3's per-head RMSNorm of queries and keys, before RoPE: bounds the attention logits.
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -195,10 +212,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # Head counts are read off the projections: tensor parallelism gives each rank a slice.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
+        # Head counts are read off the projection: tensor parallelism gives each rank some groups.
+        qkv = self.qkv_proj(x).view(B, T, -1, self.group + 2, self.head_dim)  # (B, T, Hkv, g+2, hd)
+        q, k, v = qkv.split([self.group, 1, 1], dim=3)
+        q = q.reshape(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k, v = k.squeeze(3), v.squeeze(3)  # (B, T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         y = self.core(q, k, v, rope, documents)  # (B, T, H, hd)
@@ -209,14 +227,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.mlp_hidden
-        self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.activation == "swiglu" else None
-        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.swiglu = cfg.activation == "swiglu"
+        if self.swiglu:  # gate and up in one product, their rows interleaved (model/fused.py)
+            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * hidden, bias=cfg.bias)
+        else:
+            self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.approximate = "tanh" if cfg.activation == "gelu" else "none"  # GELU's form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
+        if self.swiglu:
+            gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, F) each
+            h = F.silu(gate) * up  # (B, T, F)
         else:
             h = F.gelu(self.up_proj(x), approximate=self.approximate)  # (B, T, F)
         return self.down_proj(h)  # (B, T, D)

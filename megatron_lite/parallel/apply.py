@@ -67,16 +67,15 @@ def parallelize_block(block: Block, dims: ParallelDims) -> None:
     if dims.tensor > 1:
         group, rank, size, sp = dims.group("tensor"), dims.tp_rank, dims.tensor, dims.sequence_parallel
         attn, mlp = block.attn, block.mlp
-        # Whole heads per rank; with GQA each rank's query heads share its key/value heads.
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), rank, size))
+        # Whole key/value groups per rank (q|k|v is grouped by key/value head: model/fused.py),
+        # so each rank's query heads share its key/value heads.
+        attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, rank, size)
         attn.o_proj = RowParallelLinear(attn.o_proj, rank, size)
         if attn.core.dropout > 0:
             attn.core = TensorParallelRNG(attn.core, rank)
-        # SwiGLU: gate and up are split alike, so each rank's silu(gate)·up pairs match.
-        for name in ("gate_proj", "up_proj"):
-            if getattr(mlp, name) is not None:
-                setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), rank, size))
+        # SwiGLU's gate and up rows are interleaved, so each rank's slice holds matching pairs.
+        name = "gate_up_proj" if mlp.swiglu else "up_proj"
+        setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), rank, size))
         mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, size)
         block.attn = TensorParallelRegion(attn, "o_proj", group, sp)
         block.mlp = TensorParallelRegion(mlp, "down_proj", group, sp)

@@ -23,7 +23,7 @@ from megatron_lite.distributed.shard_spec import set_spec, spec
 from megatron_lite.model.transformer import Block
 from megatron_lite.parallel.tensor_parallel import RowParallelLinear, TensorParallelRegion
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "up_proj", "down_proj")
 """The block linears that are tiled (the vocabulary layers are not: see docs/parallelism.md)."""
 
 

@@ -149,8 +149,8 @@ def assert_matches(reference: dict, ranks: list[dict], offload: list[str] | None
                 got = got[:value.shape[0]]
             torch.testing.assert_close(got, value, rtol=0, atol=1e-5, msg=f"{variant} {name}")
         # The run must have moved the weights, or equality would prove little.
-        assert not torch.allclose(expected["blocks.0.attn.q_proj.weight"],
-                                  initial(variant, "blocks.0.attn.q_proj.weight"))
+        assert not torch.allclose(expected["blocks.0.attn.qkv_proj.weight"],
+                                  initial(variant, "blocks.0.attn.qkv_proj.weight"))
 
 
 def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
@@ -182,8 +182,8 @@ def assert_ran(ranks: list[dict], nproc: int, overrides: list[str]) -> None:
         if size["tensor"] > 1:  # the weights are each rank's slices, not whole copies
             for rank in ranks:
                 tp_rank = rank[variant]["ran"]["coordinates"]["tensor"]
-                queries = [c for name, c, _ in rank[variant]["shards"] if name.endswith("attn.q_proj.weight")]
-                assert queries and all((0, tp_rank, size["tensor"]) in c for c in queries), queries
+                qkv = [c for name, c, _ in rank[variant]["shards"] if name.endswith("attn.qkv_proj.weight")]
+                assert qkv and all((0, tp_rank, size["tensor"]) in c for c in qkv), qkv
 
 
 def initial(variant: str, name: str) -> torch.Tensor:

@@ -100,20 +100,19 @@ def test_a_mismatching_recipe_is_refused_listing_every_parameter(hf_llama, tmp_p
     with pytest.raises(ValueError) as e:
         load_initial_weights(str(hf_llama), run, print)
     message = str(e.value)
-    for i in range(2):
-        assert f"blocks.{i}.attn.k_proj.weight (32, 64) in the source, (64, 64) here" in message
-        assert f"blocks.{i}.attn.v_proj.weight" in message
+    for i in range(2):  # q|k|v of 4 query heads of 16 with 2 key/value heads; with 4 here
+        assert f"blocks.{i}.attn.qkv_proj.weight (128, 64) in the source, (192, 64) here" in message
     assert "model.norm='layernorm', the source's is 'rmsnorm'" in message
     assert "model.n_kv_heads=4, the source's is 2" in message  # the field to set, not only its shapes
     assert "rope_theta" not in message  # a deliberate change (a context extension), only logged
-    assert "6 problem(s)" in message
+    assert "4 problem(s)" in message  # q|k|v of each block, the norm, n_kv_heads
 
     proc = run_pretrain(["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *LLAMA, *FROZEN,
                          "model.n_layers=3", f"checkpoint.init_from={hf_llama}"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "checkpoint.init_from=" in lines[0], proc.stderr[-2000:]
-    assert "blocks.2.attn.q_proj.weight (64, 64): not in the source" in proc.stderr
+    assert "blocks.2.attn.qkv_proj.weight (128, 64): not in the source" in proc.stderr
     assert "model.n_layers=3, the source's is 2" in proc.stderr
 
     # A directory that holds no model: one line naming the key, exit 2.

@@ -98,7 +98,7 @@ def test_no_weight_decay_on_norms_and_biases():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(names[id(p)].endswith("weight") and p.dim() == 2 for p in decay["params"])
     assert {names[id(p)] for p in no_decay["params"]} >= {"norm.weight", "norm.bias",
-                                                         "blocks.0.attn.q_proj.bias"}
+                                                         "blocks.0.attn.qkv_proj.bias"}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 

@@ -81,8 +81,9 @@ def test_scores_equal_lm_evals_hflm_request_by_request(setup, tmp_path):
             if task == "tiny_mc":  # (log-likelihood, greedy) per choice
                 assert [g for _, g in mine[doc]] == [g for _, g in hf[doc]], doc
                 mine[doc], hf[doc] = [x for x, _ in mine[doc]], [x for x, _ in hf[doc]]
-            # Log-likelihood sums of up to 64 tokens: 4e-6 apart at most here (fp32 kernels).
-            assert mine[doc] == pytest.approx(hf[doc], rel=0, abs=1e-5), (task, doc)
+            # Log-likelihood sums of up to 64 tokens in fp32 kernels (ours fuses q|k|v into one
+            # product, transformers does not): a few units in the last place of sums up to ~750.
+            assert mine[doc] == pytest.approx(hf[doc], rel=1e-6, abs=1e-5), (task, doc)
     generated = [r[0] for r in _responses(ours["samples"]["tiny_gen"]).values()]
     assert any(generated) and len(set(generated)) > 1, generated
 

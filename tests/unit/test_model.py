@@ -54,8 +54,7 @@ def test_swiglu_hidden_matches_llama_rounding():
 def test_gqa_and_forward_shapes():
     cfg = ModelConfig(vocab_size=50, n_layers=2, n_heads=4, n_kv_heads=1, d_model=32, max_seq_len=16)
     model = build_model(cfg)
-    assert model.blocks["0"].attn.q_proj.weight.shape == (32, 32)
-    assert model.blocks["0"].attn.k_proj.weight.shape == (8, 32)
+    assert model.blocks["0"].attn.qkv_proj.weight.shape == (32 + 2 * 8, 32)  # q, k, v heads of 8
     tokens = torch.randint(0, 50, (3, 16))
     assert model(tokens).shape == (3, 16, 50)
     assert model(tokens, tokens).dim() == 0
@@ -74,7 +73,7 @@ def test_scaled_init():
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=512, n_layers=8, n_heads=4, d_model=256, max_seq_len=16)
     model = build_model(cfg)
-    assert model.blocks["0"].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks["0"].attn.qkv_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     down = model.blocks["0"].mlp.down_proj.weight
     assert down.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 

@@ -22,7 +22,7 @@ def test_tiled_model_is_the_untiled_model(activation, bias):
     plain = build_parallel_model(cfg, ONE, "cpu", seed=5)
     tiled = build_parallel_model(cfg, ONE, "cpu", seed=5, tile_factor=4)
     tiles = [m for m in tiled.modules() if isinstance(m, TiledLinear)]
-    assert len(tiles) == 2 * (7 if activation == "swiglu" else 6)
+    assert len(tiles) == 2 * 4  # q|k|v, o, gate|up or up, down in each of 2 blocks
     # Each weight is 16 separate tiles that ZeRO-3 can gather one at a time.
     assert sum(1 for _ in tiles[0].tiles.parameters()) == 16
 
@@ -55,6 +55,6 @@ def test_tile_factor_is_checked_before_the_run():
     assert "'parallel.tile_factor' = 4 saves memory only under ZeRO-3" in str(err.value)
     # shakespeare-char: d_model 128 (4 heads of 32), MLP 512: 3 divides none of them.
     with pytest.raises(ConfigError, match=r"must divide both dimensions of every block linear, "
-                                          r"but q_proj is 128 x 128"):
+                                          r"but qkv_proj is 384 x 128"):
         load_config(recipe, ["parallel.tile_factor=3", "parallel.zero_stage=3"])
     assert load_config(recipe, ["parallel.tile_factor=4", "parallel.zero_stage=3"]).parallel.tile_factor == 4
