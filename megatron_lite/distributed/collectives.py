@@ -262,6 +262,19 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def all_reduce_start(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """``all_reduce`` (sum) begun: returns the wait, after which ``x`` holds the sum. Work done
+    before the wait overlaps the transfer; ``x`` must not change until then."""
+    _check_device(x, group, "all_reduce")
+    work = dist.all_reduce(x, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return x
+
+    return wait
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: the ranks' ``x`` concatenated along dim 0 into ``out``."""
     _check_device(x, group, "all_gather")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.distributed.cpu_extensions import OP_BUILD_CALL
+from megatron_lite.model.attention_math import additive_mask, math_attention, math_attention_backward
 
 # Every name of DeepSpeed or torch relied on that is not their documented API: (where, name).
 # ``where`` says how the installed release is checked, always on the real thing:
@@ -80,6 +81,9 @@ RELIED_ON = (
     ("built zero3.engine.optimizer", "_global_grad_norm"),
     ("built zero3.engine.optimizer", "fp32_partitioned_groups_flat"),
     ("built zero3.engine.optimizer", "grad_partitions_flat_buffer"),
+    # ZeRO-3's per-bucket hand-over of reduce-scattered gradients (after_each_zero3_bucket).
+    ("built zero3.engine.optimizer", "partition_grads"),
+    ("body deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "partition_grads"),
     # ZeRO's view of a parameter (the layout-free checkpoints).
     ("built zero1.param", "_hp_mapping"),
     ("built zero1.param._hp_mapping", "lp_fragment_address"),
@@ -187,9 +191,7 @@ def skip_backward_allreduce(engine) -> None:
 
 def drop_gradients_from_a_list(engine) -> None:
     """DeepSpeed's ZeRO-0 update drops the gradients with ``DeepSpeedEngine.zero_grad``, which
-    walks ``module.named_parameters()`` every step, a visible share of a small model's step. The
-    same, over the parameter list taken once;
-    the model's parameters are fixed once the engine is built."""
+    walks ``module.named_parameters()`` every step; the same over the (fixed) list, taken once."""
     params = list(engine.module.parameters())
 
     def zero_grad() -> None:
@@ -280,6 +282,20 @@ def zero3_gradient_shard(engine) -> torch.Tensor:
     return engine.optimizer.grad_partitions_flat_buffer
 
 
+def after_each_zero3_bucket(engine, fn: Callable[[list[torch.Tensor]], None]) -> None:
+    """ZeRO-3 reduce-scatters the gradients bucket by bucket during the backward pass and hands
+    each bucket's partitions to ``partition_grads``, which adds them into this rank's gradient
+    shard and returns the views of the shard it wrote: ``fn`` gets those, right after."""
+    inner = engine.optimizer.partition_grads
+
+    def partition_grads(params, grad_partitions):
+        buffers = inner(params, grad_partitions)
+        fn(buffers)
+        return buffers
+
+    engine.optimizer.partition_grads = partition_grads
+
+
 def zero3_flat_groups(engine) -> list[torch.Tensor]:
     """ZeRO-3 steps its flat fp32 partitions one sub-group at a time, outside the torch
     optimizer's param_groups (``fp32_partitioned_groups_flat``)."""
@@ -316,14 +332,14 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     matched), with what its backward needs: (out (B, H, Tq, hd), the log-sum-exp of each
     query's scores (B, H, Tq) in fp32, the kernel's own extras). Public SDPA returns no
     log-sum-exp. The CPU's and CUDA's flash kernels (CUDA: fp16/bf16) where they apply; else the
-    scores in full (``_math_attention``: any device, memory quadratic in the block).
+    scores in full (``math_attention``: any device, memory quadratic in the block).
     ``mask`` (B, 1, Tq, Tk), True where a query may see a key, replaces ``causal``: a query
     that sees no key of the block gets output 0 and log-sum-exp −inf (the CPU kernel gives 0).
     CUDA's flash kernel takes no mask: a masked block's scores are formed in full there."""
     if mask is not None:
-        bias, aten = _additive(mask, q.dtype), torch.ops.aten
+        bias, aten = additive_mask(mask, q.dtype), torch.ops.aten
         out, lse = (aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
-                    if q.device.type == "cpu" else _math_attention(q, k, v, False, bias))
+                    if q.device.type == "cpu" else math_attention(q, k, v, False, bias))
         seen = mask.any(-1)  # (B, 1, Tq)
         return out.masked_fill(~seen.unsqueeze(-1), 0.0), lse.float().masked_fill(~seen, -math.inf), ()
     if q.device.type == "cpu":
@@ -332,7 +348,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
         return out, lse.float(), tuple(rest)
-    out, lse = _math_attention(q, k, v, causal)
+    out, lse = math_attention(q, k, v, causal)
     return out, lse, ()
 
 
@@ -345,10 +361,10 @@ def attention_with_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     blocks' gradients sum to the whole attention's. ``extras`` and ``mask``: what
     ``attention_with_lse`` returned and was given for this block."""
     if mask is not None:
-        bias, aten = _additive(mask, q.dtype), torch.ops.aten
+        bias, aten = additive_mask(mask, q.dtype), torch.ops.aten
         return (aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, False, attn_mask=bias) if q.device.type == "cpu"
-            else _math_attention_backward(dout, q, k, v, out, lse, False, bias))
+            else math_attention_backward(dout, q, k, v, out, lse, False, bias))
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
@@ -357,34 +373,7 @@ def attention_with_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.to(torch.float32), cum_q, cum_k, max_q, max_k, 0.0, causal,
             seed, offset)
-    return _math_attention_backward(dout, q, k, v, out, lse, causal)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # the CPU kernel's kind
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s if bias is None else s + bias.float()
-
-
-def _math_attention(q, k, v, causal, bias=None):
-    s = _scores(q, k, causal, bias)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
-    return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
-
-
-def _math_attention_backward(dout, q, k, v, out, lse, causal, bias=None):
-    # A row that sees no key has lse −inf: its probabilities are 0, not exp(−inf + inf).
-    p = torch.exp(_scores(q, k, causal, bias) - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Tq, Tk)
-    do = dout.float()
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ v.float().transpose(-1, -2)
-    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
-    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), dv.to(v.dtype)
+    return math_attention_backward(dout, q, k, v, out, lse, causal)
 
 
 KEPT_BY_SELECTIVE = frozenset({

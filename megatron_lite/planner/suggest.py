@@ -13,7 +13,8 @@ The rest are ranked by a predicted step time (``step_seconds``): the model FLOPs
 (4/3 of them with full recomputation), plus the pipeline bubble, plus every collective at the
 device table's bandwidths (within a node or across nodes, by where the group's ranks sit in
 the rank order), none of it assumed hidden behind compute except ring attention's transfers,
-each of which runs beside one block of attention: only what the block does not cover counts.
+each of which runs beside one block of attention, and HSDP's replica all-reduce, which runs
+beside the last micro-batch's backward pass: only what they do not cover counts.
 Ring collectives move ``2 (n - 1) / n`` of the bytes (all-reduce) or ``(n - 1) / n``
 (all-gather, reduce-scatter, all-to-all). The numbers rank layouts against each other; measure
 the winner.
@@ -111,8 +112,13 @@ def step_seconds(plan: Plan, cfg: Config, spec: DeviceSpec, gpus_per_node: int,
     if d.hsdp_shard_size:
         shard = d.hsdp_shard_size
         shard_span = d.tensor * d.sequence * shard
-        parts["data"] = (grad_bytes * _ring(shard) / bandwidth(shard_span)
-                         + grad_bytes / shard * _ring(d.hsdp_replicas, all_reduce=True) / bandwidth(span))
+        parts["data"] = grad_bytes * _ring(shard) / bandwidth(shard_span)
+        # The replica all-reduce of each bucket starts when its reduce-scatter ends, beside the
+        # last micro-batch's backward (2/3 of its compute): what that does not cover, and at
+        # least the last block's share (reduced when the backward has ended), stays exposed.
+        replicas = grad_bytes / shard * _ring(d.hsdp_replicas, all_reduce=True) / bandwidth(span)
+        backward = parts["compute"] * 2 / 3 / micro
+        parts["hsdp replicas"] = max(replicas - backward, replicas / blocks)
         parts["zero-3 gathers"] = passes * grad_bytes * _ring(shard) / bandwidth(shard_span)
     else:
         parts["data"] = grad_bytes * _ring(ranks, all_reduce=True) / bandwidth(span)

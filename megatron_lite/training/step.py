@@ -45,6 +45,7 @@ from megatron_lite.engine.pipeline import loss_scale
 from megatron_lite.model.loss import IGNORED
 from megatron_lite.model.transformer import document_ids
 from megatron_lite.parallel.ring import sequence_positions
+from megatron_lite.training.replica_average import ReplicaAverage
 from megatron_lite.training.step_report import PendingReport, StepReport, StepReporter, skips_on_device
 from megatron_lite.training.timing import NoClock
 
@@ -130,6 +131,14 @@ class StepRunner:
         self._armed = False
         self._loss_sum: torch.Tensor | None = None
         self.clock = clock if clock is not None else NoClock()
+        # HSDP: DeepSpeed averages the gradients within the shard group (its whole data-parallel
+        # world); each rank's shard is averaged over the copies of its shard group too, bucket by
+        # bucket during the backward pass. One per engine: a second runner shares the first's.
+        self.replica_average: ReplicaAverage | None = None
+        if dims.hsdp_replicas > 1 and not self.pipelined:
+            self.replica_average = getattr(engine, "replica_average", None) or ReplicaAverage(
+                engine, dims.group("replica"), dims.hsdp_replicas)
+            engine.replica_average = self.replica_average
         if gate is not None:
             self._install_gate(gate)
 
@@ -301,12 +310,14 @@ class StepRunner:
                 engine.set_gradient_accumulation_boundary(last)
             loss = engine(*pair)
             clock.mark("backward")
+            if self.replica_average is not None:
+                self.replica_average.armed = last
             engine.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
             self.graph_break()
             loss_sum += loss.detach().float()
             clock.mark("optimizer")
-            if last and self.dims.hsdp_replicas > 1:
-                self._average_over_replicas()
+            if last and self.replica_average is not None:
+                self.replica_average.finish()
             if self.own_clipping and last:
                 self.grad_norm = clip_grad_norm(self._params, self.cfg.optimizer.grad_clip, self.dims,
                                                 self.clip_kernel)
@@ -320,15 +331,6 @@ class StepRunner:
             self._after_step()
         clock.mark(None)
         return loss_sum
-
-    def _average_over_replicas(self) -> None:
-        """HSDP: DeepSpeed averaged the gradients within the shard group (its whole data-parallel
-        world); average each rank's shard over the copies of its shard group too. The one
-        exchange between shard groups per step: this rank's shard, on the device, over its
-        ``replica`` group."""
-        shard = ds.zero3_gradient_shard(self.engine)
-        collectives.all_reduce(shard, self.dims.group("replica"))
-        shard.div_(self.dims.hsdp_replicas)
 
     @torch.no_grad()
     def eval_loss(self, batches: Iterator[torch.Tensor], device) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.engine import internals
+from megatron_lite.model.attention_math import math_attention, math_attention_backward
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -19,8 +20,8 @@ def test_attention_with_lse_equals_sdpa_forward_and_backward(path, causal):
         out, lse, extras = internals.attention_with_lse(q, k, v, causal)
         grads = internals.attention_with_lse_backward(upstream, q, k, v, out, lse, causal, extras)
     else:
-        out, lse = internals._math_attention(q, k, v, causal)
-        grads = internals._math_attention_backward(upstream, q, k, v, out, lse, causal)
+        out, lse = math_attention(q, k, v, causal)
+        grads = math_attention_backward(upstream, q, k, v, out, lse, causal)
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     expected = F.scaled_dot_product_attention(*leaves, is_causal=causal)

@@ -292,6 +292,30 @@ def test_suggested_step_time_by_hand():
     assert across["data"] == pytest.approx(plan.stage_parameters * 2 * 2 * 7 / 8 / 12.5e9, rel=1e-12)
 
 
+def test_hsdp_replica_traffic_counts_only_what_the_backward_pass_does_not_cover():
+    from megatron_lite.planner.suggest import step_seconds
+
+    def replicas(seq: int) -> tuple[float, float, dict]:
+        cfg, model = _cfg("llama2-7b.yaml", "parallel.hsdp=true", "parallel.hsdp_shard_size=4",
+                          "training.global_batch_size=16", "training.micro_batch_size=1",
+                          f"data.seq_length={seq}")
+        plan = estimate(cfg, model, 16, 4)  # 4 copies of a node's shard group of 4
+        _, parts = step_seconds(plan, cfg, DEVICES["A100-40GB"], 4, 0.4)
+        # The whole exchange: each rank's bf16 shard all-reduced over 4 replicas across nodes.
+        whole = plan.stage_parameters * 2 / 4 * 2 * 3 / 4 / 12.5e9
+        return whole, parts["compute"] * 2 / 3 / plan.grad_accumulation, parts
+
+    # A micro-batch of 4096 tokens: its backward pass (0.9 s) hides the exchange (0.4 s) but
+    # for the last of the 32 blocks' share, reduced after the backward has ended.
+    whole, backward, parts = replicas(4096)
+    assert backward > whole and parts["hsdp replicas"] == pytest.approx(whole / 32, rel=1e-9)
+    # Of 512 tokens: the backward, all the exchange has beside it, is short; the rest of the
+    # exchange stays exposed.
+    whole, backward, parts = replicas(512)
+    assert whole / 32 < whole - backward
+    assert parts["hsdp replicas"] == pytest.approx(whole - backward, rel=1e-9)
+
+
 def test_suggest_ranks_the_layouts_that_fit():
     from megatron_lite.planner.suggest import HEADROOM, suggest
 
