@@ -139,8 +139,11 @@ def _deciding(name: str) -> tuple[str, ...]:
     rules = (("lm_head.", ("tie_embeddings",)), ("pos_emb.", ("position", "max_seq_len")),
              ("norm.bias", ("norm", "bias")), (".bias", ("bias", "qkv_bias")),
              ("q_norm.", ("qk_norm", "n_heads")), ("k_norm.", ("qk_norm", "n_heads")),
-             ("gate_up_proj.", ("activation", "ffn_hidden")), ("mlp.", ("ffn_hidden", "activation")),
-             ("qkv_proj.", ("n_kv_heads", "n_heads")))
+             ("gate_up_proj.", ("activation", "ffn_hidden")), ("gate_proj.", ("activation", "ffn_hidden")),
+             ("mlp.", ("ffn_hidden", "activation")), ("qkv_proj.", ("n_kv_heads", "n_heads")),
+             # (The separate projections of a checkpoint written before they were fused.)
+             ("k_proj.", ("n_kv_heads", "n_heads")), ("v_proj.", ("n_kv_heads", "n_heads")),
+             ("q_proj.", ("n_heads", "d_model")))
     return next((fields for part, fields in rules if part in name), ("d_model",))
 
 

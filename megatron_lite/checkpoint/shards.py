@@ -27,7 +27,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec, whole_shape
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.internals import torch_optimizer
-from megatron_lite.model.fused import fusable, fuse_parts
+from megatron_lite.model.fused import PARTS, fusable, fuse_parts
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 
@@ -191,6 +191,22 @@ class Assembler:
         self.heads = heads
         self.merged = fusable(self.by_name) if heads is not None else {}
         self._parts = {p for parts in self.merged.values() for p in parts}
+        both = sorted(name for name in self.merged if name in self.by_name)
+        if both:
+            raise ValueError(f"the checkpoint holds {both[0]} and also the separate projections it fuses "
+                             f"({', '.join(self.merged[both[0]])}); one of them is left from another write")
+
+    def missing_parts(self, name: str) -> str:
+        """Why ``name`` (not in ``names``) is missing, in words: a fused projection whose
+        checkpoint holds some of its separate parts names those it lacks."""
+        fused = next((f for f in PARTS if f".{f}." in f".{name}"), None)
+        if fused is not None and self.heads is not None:
+            parts = [name.replace(fused, p) for p in PARTS[fused]]
+            held = [p for p in parts if p in self.by_name]
+            if held:
+                lacking = [p for p in parts if p not in self.by_name]
+                return f"{', '.join(lacking)} is not in the checkpoint (it holds {', '.join(held)})"
+        return f"{name} is not in the checkpoint"
 
     def names(self) -> set[str]:
         return (set(self.by_name) - self._parts) | set(self.merged)
@@ -263,7 +279,7 @@ def shape_mismatches(expected: Mapping[str, Sequence[int]], assembler: Assembler
     for name, shape in expected.items():
         shape = tuple(shape)
         if name not in names:
-            problems.append(f"{name} is not in the checkpoint")
+            problems.append(assembler.missing_parts(name))
             continue
         have = assembler.shape(name)
         if name in VOCAB_PARAMETERS and len(have) == len(shape):

@@ -1,8 +1,10 @@
 """Checkpoints written before q|k|v and gate|up were fused (tests/fixtures/unfused_checkpoint)
-resume to the losses the code that wrote them logged, in the same layout and another, and export
-to the same Hugging Face weights."""
+resume to the losses the code that wrote them logged, in another layout, and export to the same
+Hugging Face weights; one that lacks a separate projection, or holds a block's both ways, is
+refused naming it."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +70,47 @@ def test_an_unfused_checkpoint_exports_its_own_weights():
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def _rewritten(tmp_path: Path, change) -> Path:
+    """A copy of the fixture whose rank file's fragments went through ``change`` (the manifest's
+    index and hashes follow)."""
+    import hashlib
+    import json
+
+    out = tmp_path / "ck"
+    shutil.copytree(FIXTURE, out, ignore=shutil.ignore_patterns("README.md"))
+    step = store.read_latest(out)
+    state = store.load_rank_file(step / "rank_00000.pt")
+    state["fragments"] = change(state["fragments"])
+    # (Written beside and moved over it: the loaded state maps the old file.)
+    torch.save(state, step / "rank_00000.pt.new")
+    (step / "rank_00000.pt.new").replace(step / "rank_00000.pt")
+    manifest = json.loads((step / "manifest.json").read_text())
+    entry = manifest["files"][0]
+    entry["bytes"] = (step / "rank_00000.pt").stat().st_size
+    entry["sha256"] = hashlib.sha256((step / "rank_00000.pt").read_bytes()).hexdigest()
+    names = {f["name"] for f in state["fragments"]}
+    entry["fragments"] = [e for e in entry["fragments"] if e[0] in names] + [
+        [f["name"], [], list(f["slice_shape"]), 0, f["tensors"]["param"].numel()]
+        for f in state["fragments"] if f["name"] not in {e[0] for e in entry["fragments"]}]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_a_missing_or_doubled_projection_is_named(tmp_path):
+    lacking = _rewritten(tmp_path / "a", lambda frags: [f for f in frags
+                                                         if f["name"] != "blocks.0.attn.k_proj.weight"])
+    with pytest.raises(store.CheckpointError) as e:
+        read_model(lacking)
+    assert ("blocks.0.attn.k_proj.weight is not in the checkpoint (it holds blocks.0.attn.q_proj.weight, "
+            "blocks.0.attn.v_proj.weight)") in str(e.value)
+    assert "model.n_kv_heads=2 or model.n_heads=4" in str(e.value)
+
+    def doubled(frags):
+        q = next(f for f in frags if f["name"] == "blocks.1.attn.q_proj.weight")
+        return [*frags, {**q, "name": "blocks.1.attn.qkv_proj.weight"}]
+
+    with pytest.raises(store.CheckpointError, match="holds blocks.1.attn.qkv_proj.weight and also the "
+                                                    "separate projections it fuses"):
+        read_model(_rewritten(tmp_path / "b", doubled))
