@@ -27,7 +27,7 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import Cut, ShardSpec, joined, spec, whole_shape
 from megatron_lite.engine import internals as ds
 from megatron_lite.engine.internals import torch_optimizer
-from megatron_lite.model.fused import PARTS, fusable, fuse_parts
+from megatron_lite.model.fused import fusable, fuse_parts, parts_of
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 from megatron_lite.optim.optimizer import first_step_state
 
@@ -199,9 +199,8 @@ class Assembler:
     def missing_parts(self, name: str) -> str:
         """Why ``name`` (not in ``names``) is missing, in words: a fused projection whose
         checkpoint holds some of its separate parts names those it lacks."""
-        fused = next((f for f in PARTS if f".{f}." in f".{name}"), None)
-        if fused is not None and self.heads is not None:
-            parts = [name.replace(fused, p) for p in PARTS[fused]]
+        parts = parts_of(name)
+        if parts is not None and self.heads is not None:
             held = [p for p in parts if p in self.by_name]
             if held:
                 lacking = [p for p in parts if p not in self.by_name]

@@ -66,6 +66,13 @@ def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
+def parts_of(name: str) -> tuple[str, ...] | None:
+    """The separate projections' names for a fused one (``blocks.0.attn.qkv_proj.weight`` ->
+    its q, k, v), or None for any other parameter."""
+    fused = next((f for f in PARTS if f".{f}." in f".{name}"), None)
+    return None if fused is None else tuple(name.replace(fused, p) for p in PARTS[fused])
+
+
 def fusable(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """Fused name -> the names of its parts, for every complete set of separate projections
     among ``names`` (``blocks.0.attn.q_proj.weight`` with its k and v -> ``blocks.0.attn.qkv_proj
@@ -103,11 +110,10 @@ def unfuse_state_dict(sd: Mapping[str, torch.Tensor], n_heads: int,
     """The inverse of ``fuse_state_dict``: every fused projection as its separate ones."""
     out = {}
     for name, value in sd.items():
-        fused = next((f for f in PARTS if f".{f}." in f".{name}"), None)
-        if fused is None:
+        parts = parts_of(name)
+        if parts is None:
             out[name] = value
             continue
-        values = split_qkv(value, n_heads, n_kv_heads) if fused == "attn.qkv_proj" else split_gate_up(value)
-        for part, v in zip(PARTS[fused], values, strict=True):
-            out[name.replace(fused, part)] = v
+        values = split_qkv(value, n_heads, n_kv_heads) if ".qkv_proj." in name else split_gate_up(value)
+        out.update(zip(parts, values, strict=True))
     return out
