@@ -13,9 +13,10 @@ usage: python pretrain.py RECIPE.yaml [dotted.key=value ...] [--print-config | -
   --plan              print memory per device, FLOPs and step time for a machine, exit (1 when it
                       does not fit); with --world-size N (default: one node, or one model replica
                       when the global batch does not divide over a node), --gpus-per-node G
-                      (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3;
-                      default A100-40GB), --mfu X (default 0.4), --host-memory-gb GB (a node's
-                      host memory, for offload; default: a typical node for the device)
+                      (default 4), --device NAME (A100-40GB, A100-80GB, H100, H200, Gaudi2, Gaudi3,
+                      Max1550: an Aurora tile; default A100-40GB), --mfu X (default 0.4),
+                      --host-memory-gb GB (a node's host memory, for offload; default: a typical
+                      node for the device)
   --plan --suggest    list the layouts of the recipe's model that fit that machine, fastest first
                       by predicted step time (exit 1 when none fits)
 

@@ -35,6 +35,12 @@
 #                          minus its resources_used.walltime from qstat (in an interactive job the
 #                          time already spent in it counts)
 #   CHECKPOINT_MARGIN_MIN  minutes before walltime at which the run saves and exits (default 10)
+#   HANG_GRACE_MIN         a run still going this long after that signal is stuck: SIGUSR2 (each
+#                          rank writes where it is, tools/hang_report.py), then SIGTERM (default:
+#                          half the margin)
+#   CHAIN                  N: queue the next job as this one starts (qsub -W depend=afterany, the
+#                          same resources and settings, CHAIN=N-1), for runs longer than a
+#                          job's walltime; a finished or failed run cancels it (docs/launch.md)
 #   NCCL_OFI_PLUGIN_DIR    folder of the AWS OFI NCCL plugin (libnccl-net.so), NCCL's way onto the
 #                          Slingshot network; default: a folder on LD_LIBRARY_PATH that holds it (a
 #                          module's), else ALCF's newest install under /soft/libraries/aws-ofi-nccl;
@@ -46,85 +52,15 @@
 #   PYTORCH_CUDA_ALLOC_CONF  PyTorch's CUDA allocator settings, kept when set (or when
 #                          PYTORCH_ALLOC_CONF is); default expandable_segments:True
 set -euo pipefail
-ENV_AT_START=$(env | sort)  # what this script adds or changes is printed before the launch
-# The walltime left is read from PBS now: exit_duration_mins counts from this moment, so that
-# the recipe check, imports and model build before training are counted too.
-export LAUNCH_START_EPOCH
-LAUNCH_START_EPOCH=$(date +%s)
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # this header, as text
-    sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0
-fi
-DRY_RUN=0
-ARGS=()
-for arg in "$@"; do  # --dry-run anywhere (after the recipe too): never a real launch by mistake
-    if [[ "$arg" == "--dry-run" ]]; then DRY_RUN=1; else ARGS+=("$arg"); fi
-done
-set -- ${ARGS[@]+"${ARGS[@]}"}
+# PBS runs a copy of this script from its spool: the repository is where qsub was run.
 cd "${PBS_O_WORKDIR:-$(dirname "$0")/..}"
-if [[ ! -f pretrain.py ]]; then
-    echo "error: $PWD is not the repository's root (no pretrain.py there): run qsub from the repository's root (PBS_O_WORKDIR=${PBS_O_WORKDIR:-unset})" >&2
-    exit 2
-fi
-RECIPE="${RECIPE:-}"
-# The first argument is the recipe unless it is an override (k=v) or an option (CHECK=1's).
-if [[ $# -gt 0 && "$1" != -* && "$1" != *=* ]]; then RECIPE="$1"; shift; fi
-PROGRAM=pretrain.py
-if [[ "${CHECK:-0}" == 1 ]]; then
-    PROGRAM=tools/check_dist.py  # the recipe is optional: its layout's groups are checked
-else
-    [[ -n "$RECIPE" ]] || { echo "usage: launch/polaris.sh [--dry-run] RECIPE [overrides]   (--help: the settings)" >&2; exit 2; }
-fi
-OVERRIDES_ARR=("$@")
-if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
-    [[ -f "$OVERRIDES_FILE" ]] || { echo "error: OVERRIDES_FILE=$OVERRIDES_FILE does not exist" >&2; exit 2; }
-    while IFS= read -r line || [[ -n "$line" ]]; do
-        line="${line#"${line%%[![:space:]]*}"}"; line="${line%"${line##*[![:space:]]}"}"
-        [[ -z "$line" || "$line" == \#* ]] || OVERRIDES_ARR+=("$line")
-    done < "$OVERRIDES_FILE"
-elif [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES:-}" ]]; then
-    # Shell quoting rules without a shell's expansions (no eval): a quoted value keeps its spaces.
-    # A process substitution's failure does not stop the script by itself: `wait $!` collects
-    # its status, so an OVERRIDES that cannot be split stops the job instead of training the
-    # recipe without the overrides.
-    mapfile -d '' -t OVERRIDES_ARR < <("${PYTHON:-python}" -c '
-import shlex, sys
-try:
-    words = shlex.split(sys.argv[1])
-except ValueError as e:
-    sys.stderr.write(f"error: OVERRIDES={sys.argv[1]!r} cannot be split as a shell splits it ({e}): "
-                     "balance its quotes, or put the overrides in OVERRIDES_FILE, one per line\n")
-    sys.exit(2)
-sys.stdout.write("".join(w + "\0" for w in words))' "$OVERRIDES")
-    wait $! || exit 2
-fi
-
-NODEFILE="${PBS_NODEFILE:-}"
-if [[ -n "$NODEFILE" && ! -f "$NODEFILE" ]]; then echo "error: PBS_NODEFILE=$NODEFILE does not exist" >&2; exit 2; fi
-# A dry run on a login node (no PBS_NODEFILE) checks the layout for NNODES nodes, the job's
-# select=N; a job counts its nodes in PBS_NODEFILE (an NNODES a job script exported must agree).
-WANTED_NODES="${NNODES:-}"
-[[ -z "$WANTED_NODES" || "$WANTED_NODES" =~ ^[1-9][0-9]*$ ]] || { echo "error: NNODES=$WANTED_NODES: give the nodes the job will have, a positive integer" >&2; exit 2; }
-NNODES=1
-if [[ -n "$NODEFILE" ]]; then
-    # grep -c prints 0 and fails when no line matches: its count is the answer either way (a
-    # fallback after || would append a second number).
-    NNODES=$(sort -u "$NODEFILE" | grep -c .) || true
-    if [[ "$NNODES" == 0 || -z "$NNODES" ]]; then
-        echo "error: PBS_NODEFILE=$NODEFILE names no node: give a file of host names, one per line, or leave PBS_NODEFILE unset for this node alone" >&2
-        exit 2
-    fi
-fi
-if [[ -n "$WANTED_NODES" && -z "$NODEFILE" && $DRY_RUN -eq 1 ]]; then
-    NNODES="$WANTED_NODES"
-elif [[ -n "$WANTED_NODES" && "$WANTED_NODES" != "$NNODES" ]]; then
-    echo "error: NNODES=$WANTED_NODES, but this job has $NNODES node(s) (${NODEFILE:+the lines of PBS_NODEFILE=$NODEFILE}${NODEFILE:-no PBS_NODEFILE: this node}); NNODES is for a --dry-run on a login node: unset it" >&2
-    exit 2
-fi
-PPN="${NGPUS_PER_NODE:-4}"
-[[ "$PPN" =~ ^[1-9][0-9]*$ ]] || { echo "error: NGPUS_PER_NODE=$PPN: give the ranks per node, a positive integer" >&2; exit 2; }
-NRANKS=$((NNODES * PPN))
-MASTER_ADDR=$([[ -n "$NODEFILE" ]] && awk 'NF {print $1; exit}' "$NODEFILE" || hostname)
-export MASTER_ADDR MASTER_PORT="${MASTER_PORT:-29500}"
+[[ -f pretrain.py && -f launch/pbs_common.sh ]] || { echo "error: $PWD is not the repository's root (no pretrain.py there): run qsub from the repository's root (PBS_O_WORKDIR=${PBS_O_WORKDIR:-unset})" >&2; exit 2; }
+SCRIPT=polaris.sh
+# What a chained successor job keeps (CHAIN=N): this script's settings, as this job had them.
+CHAIN_SETTINGS="NGPUS_PER_NODE PYTHON MPI_FLAVOR CHECKPOINT_MARGIN_MIN HANG_GRACE_MIN NCCL_OFI_PLUGIN_DIR CPU_BIND CUDA_VISIBLE_DEVICES PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF"
+source launch/pbs_common.sh
+pbs_parse "$@"
+pbs_count_nodes 4
 
 # NCCL reaches the Slingshot network through the AWS OFI (libfabric) plugin, with the settings
 # ALCF's Polaris NCCL page gives (docs.alcf.anl.gov/polaris/applications-and-libraries/libraries/nccl/:
@@ -185,49 +121,11 @@ else
     ALLOC_INFO="allocator: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
 fi
 
-# Stop in time to checkpoint: PBS Pro cannot signal a job before its walltime, so this script
-# does. It sets training.exit_duration_mins (the trainer saves and exits 0 that long after its
-# start) and, as a second line, sends SIGUSR1 to mpiexec (which forwards it to the ranks; the
-# trainer saves and exits on it, checkpoint.save_on_signal) CHECKPOINT_MARGIN_MIN before walltime.
-MARGIN_MIN="${CHECKPOINT_MARGIN_MIN:-10}"
-WALLTIME="${WALLTIME:-}"
-seconds() {  # HH:MM:SS -> seconds (empty when it is not that)
-    [[ "$1" =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || return 0
-    echo $((10#${BASH_REMATCH[1]} * 3600 + 10#${BASH_REMATCH[2]} * 60 + 10#${BASH_REMATCH[3]}))
-}
-LEFT_S=$(seconds "$WALLTIME")
-if [[ -z "$WALLTIME" && -n "${PBS_JOBID:-}" ]] && command -v qstat > /dev/null; then
-    QSTAT=$(qstat -f "$PBS_JOBID" 2> /dev/null || true)
-    LIMIT_S=$(seconds "$(awk '/Resource_List.walltime/ {print $3}' <<< "$QSTAT")")
-    USED_S=$(seconds "$(awk '/resources_used.walltime/ {print $3}' <<< "$QSTAT")")
-    [[ -n "$LIMIT_S" ]] && LEFT_S=$((LIMIT_S - ${USED_S:-0}))
-fi
-SIGNAL_AFTER_S=""
-if [[ -n "$LEFT_S" ]]; then
-    SIGNAL_AFTER_S=$((LEFT_S - MARGIN_MIN * 60))
-    if ((SIGNAL_AFTER_S > 0)) && [[ " ${OVERRIDES_ARR[*]:-} " != *" training.exit_duration_mins="* ]]; then
-        OVERRIDES_ARR+=("training.exit_duration_mins=$((SIGNAL_AFTER_S / 60))")
-    fi
-fi
+pbs_walltime
+pbs_check_recipe
 
-# The recipe and overrides are checked here, once, before mpiexec starts a rank: a typo found
-# by every rank after the job has waited in the queue would cost the allocation (and the
-# launch a traceback per rank). `--dry-run` before qsub runs the same check without a job.
-if [[ "$PROGRAM" == pretrain.py ]]; then
-    "${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}" --print-config \
-        --world-size "$NRANKS" --gpus-per-node "$PPN" > /dev/null || exit 2
-fi
-
-FLAVOR="${MPI_FLAVOR:-}"
-if [[ -z "$FLAVOR" ]]; then
-    FLAVOR=pals
-    # Read the whole banner before matching: under pipefail, `mpiexec --version | grep -q` fails
-    # whenever grep exits first and mpiexec dies of SIGPIPE.
-    MPI_VERSION=$(command -v mpiexec > /dev/null && mpiexec --version 2>&1 || true)
-    if [[ "${MPI_VERSION,,}" == *hydra* ]]; then FLAVOR=hydra; fi
-fi
+pbs_mpi_flavor
 if [[ "$FLAVOR" == hydra ]]; then  # MPICH's launcher (not Polaris): -genvall exports the env
-    MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+-hostfile "$NODEFILE"} -genvall)
     PLACE_INFO="placement: none (Hydra; the core lists are for Polaris' Cray PALS)"
     GPU_INFO="GPUs: local rank r uses cuda:r${CUDA_VISIBLE_DEVICES:+ of CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
 else
@@ -263,29 +161,4 @@ else
     MPI=(mpiexec -n "$NRANKS" -ppn "$PPN" ${NODEFILE:+--hostfile "$NODEFILE"} --cpu-bind "$CPU_BIND" --envall)
 fi
 CMD=("${MPI[@]}" "${PYTHON:-python}" "$PROGRAM" ${RECIPE:+"$RECIPE"} "${OVERRIDES_ARR[@]}")
-
-INFO="nodes: $NNODES × $PPN ranks, master $MASTER_ADDR:$MASTER_PORT, mpiexec flavor $FLAVOR"
-[[ -n "$SIGNAL_AFTER_S" ]] && INFO+=", SIGUSR1 to mpiexec after ${SIGNAL_AFTER_S} s"
-printf '%s\n' "$NCCL_INFO" "$PLACE_INFO" "$GPU_INFO" "$ALLOC_INFO" "$INFO"
-echo "environment set for the ranks:"
-comm -13 <(echo "$ENV_AT_START") <(env | sort) | grep -v -E '^(OLDPWD|PWD|SHLVL|_)=' | sed 's/^/  /'
-QUOTED=$(printf '%q ' "${CMD[@]}")  # as a shell would need it: each argument's bounds visible
-echo "${QUOTED% }"
-[[ $DRY_RUN -eq 1 ]] && exit 0
-
-"${CMD[@]}" &
-MPI_PID=$!
-# Signals sent to this script (qdel's SIGTERM, a manual SIGUSR1) go to the ranks through mpiexec.
-trap 'kill -TERM "$MPI_PID" 2> /dev/null' TERM
-trap 'kill -USR1 "$MPI_PID" 2> /dev/null' USR1
-if [[ -n "$SIGNAL_AFTER_S" ]] && ((SIGNAL_AFTER_S > 0)); then
-    # Counted, like the walltime, from this script's start (SECONDS), not from mpiexec's.
-    (sleep "$((SIGNAL_AFTER_S > SECONDS ? SIGNAL_AFTER_S - SECONDS : 0))" && kill -USR1 "$MPI_PID" 2> /dev/null) &
-    WATCHER=$!
-fi
-STATUS=0
-while kill -0 "$MPI_PID" 2> /dev/null; do  # a trapped signal interrupts wait: wait again
-    wait "$MPI_PID" && STATUS=0 || STATUS=$?
-done
-[[ -n "${WATCHER:-}" ]] && kill "$WATCHER" 2> /dev/null || true
-exit "$STATUS"
+pbs_launch "$NCCL_INFO" "$PLACE_INFO" "$GPU_INFO" "$ALLOC_INFO"

@@ -21,6 +21,9 @@ function right after its module is imported:
   holds TEXT (the out-of-memory killer on a huge line).
 - ``FAULT_SLOW_DATA=START:END:SECONDS[:RANK]``: reading each of training samples START..END-1
   takes SECONDS longer on RANK (every rank without it): a slow filesystem or data loader.
+- ``FAULT_STALL_LOG=N:SECONDS[:RANK]``: RANK (every rank without it) sleeps SECONDS before its
+  N-th log line's records (``Trainer._train_record``), so before that line's collectives: a
+  rank stuck in its own work while the others wait for it.
 - ``FAULT_LOG_ENOSPC=1``: writing ``metrics.jsonl`` or ``spikes.jsonl`` fails with ENOSPC (a
   full disk under the run directory, rank 0's alone).
 - ``FAULT_DISK_SIZE=BYTES:DIR``: DIR behaves as a filesystem of BYTES: the free space the
@@ -183,6 +186,25 @@ def _nan_loss(trainer_module) -> None:
             del engine.forward
 
     trainer.train_step = train_step_with_nan
+
+
+def _stall_log(trainer_module) -> None:
+    nth, seconds, *rank = os.environ["FAULT_STALL_LOG"].split(":")
+    if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
+        return
+    trainer = trainer_module.Trainer
+    train_record, calls = trainer._train_record, []
+
+    @functools.wraps(train_record)
+    def stalled_record(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == int(nth):
+            print(f"[fault] rank {self.dims.rank} stalls {seconds} s before its log line's "
+                  "collectives", flush=True)
+            time.sleep(float(seconds))
+        return train_record(self, *args, **kwargs)
+
+    trainer._train_record = stalled_record
 
 
 def _kill_at(store) -> None:
@@ -374,10 +396,10 @@ def _record_step_syncs(trainer_module) -> None:
         setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     agree = collectives._agree
 
-    def agree_counted(what, fn):
+    def agree_counted(what, fn, *args):
         if steps and threading.get_ident() == training_thread[0]:
             steps[-1]["host_collectives"].append(what)
-        return agree(what, fn)
+        return agree(what, fn, *args)
 
     collectives._agree = agree_counted
     trainer = trainer_module.Trainer
@@ -404,6 +426,7 @@ FAULTS: dict[str, tuple[str, Hook]] = {
     "FAULT_BAD_SAMPLES": ("megatron_lite.training.run", _bad_samples),
     "FAULT_SLOW_DATA": ("megatron_lite.training.run", _slow_data),
     "FAULT_NAN_LOSS": ("megatron_lite.training.trainer", _nan_loss),
+    "FAULT_STALL_LOG": ("megatron_lite.training.trainer", _stall_log),
     "FAULT_KILL_AT": ("megatron_lite.checkpoint.store", _kill_at),
     "FAULT_SLOW_SAVE": ("megatron_lite.checkpoint.store", _slow_save),
     "FAULT_SAVE_ENOSPC": ("megatron_lite.checkpoint.store", _save_enospc),

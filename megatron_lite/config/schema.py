@@ -278,6 +278,12 @@ class DistributedConfig:
     setup_timeout_minutes: float = 60.0
     """How long the other ranks wait while one rank builds the dataset and its indices (a large
     corpus takes minutes), instead of ``timeout_minutes``."""
+    hang_dump_after: float = 0.5
+    """When a rank has waited in one collective for this fraction of its timeout, every rank
+    writes where it is (the collective it is in, its Python stacks; on NCCL the flight recorder)
+    under ``logging.dir/hang/``, before the timeout ends the run; ``tools/hang_report.py`` then
+    names the ranks that are missing. A rank sent SIGUSR2 does the same. 0: never (SIGUSR2
+    neither)."""
     master_addr: Optional[str] = None
     """The rendezvous host for launchers that do not name one (``launch/ray_train.py``): the
     first rank listens there, so it is used only when it is an address of the node Ray placed
@@ -359,8 +365,10 @@ class TrainingConfig:
     """Validation batches (of global_batch_size samples) per evaluation."""
     seed: int = 1234
     """Seed of parameter initialisation and dropout."""
-    device: str = choice("auto", "cpu", "cuda", "hpu")
-    """Accelerator; ``auto`` takes what DeepSpeed detects."""
+    device: str = choice("auto", "cpu", "cuda", "hpu", "xpu")
+    """Accelerator; ``auto`` takes what DeepSpeed detects. ``xpu``: Intel GPUs (Aurora's Max
+    1550 tiles, one rank each) through DeepSpeed's XPU accelerator, collectives over oneCCL
+    (torch's ``xccl``, else ``oneccl_bindings_for_pytorch``'s ``ccl``)."""
     precision: str = choice("fp32", "bf16", "fp16")
     """Training precision (bf16/fp16 through DeepSpeed's mixed-precision engine)."""
     tf32: bool = True

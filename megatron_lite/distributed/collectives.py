@@ -32,6 +32,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron_lite.distributed import hang
+
 
 class ParallelDims(Protocol):
     """What these functions read of ``parallel_dims.ParallelDims`` (named here, not imported:
@@ -78,11 +80,13 @@ def first_line(error: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
 
 
-def _agree(what: str, fn: Callable[[], T]) -> T:
-    """Run one host collective; a failure (a timeout, a rank gone) becomes ``CollectiveError``.
-    Only the collective runs inside: gloo reports its failures as plain ``RuntimeError``."""
+def _agree(what: str, fn: Callable[[], T], name: str, group) -> T:
+    """Run one host collective ``name`` on ``group``; a failure (a timeout, a rank gone) becomes
+    ``CollectiveError``. Only the collective runs inside: gloo reports its failures as plain
+    ``RuntimeError``. While it runs, hang.py knows this thread is in it."""
     try:
-        return fn()
+        with hang.waiting_in(name, what, group):
+            return fn()
     except RuntimeError as e:
         raise CollectiveError(f"rank {_rank()}: {what} (a collective on a gloo control group) "
                               f"failed: {first_line(e)}") from e
@@ -104,7 +108,7 @@ def raise_together(error: BaseException | None, dims: ParallelDims, what: str = 
     g = _host_group(dims, group)
     if g is not None:
         failed = torch.tensor([int(error is not None)], dtype=torch.int32)
-        _agree(what, lambda: dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g))
+        _agree(what, lambda: dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g), "all_reduce", g)
         if failed.item():  # the rare path: learn who failed and how
             # The type travels by name: pickling a class defined inside a function would fail
             # on this rank alone, in the middle of the collective.
@@ -154,7 +158,7 @@ def on_one_rank_then_all(fn: Callable[[], T], dims: ParallelDims, what: str, *, 
     if g is not None and long_wait:
         # The waiting ranks may wait longer than a collective should (a large corpus is being
         # indexed): in the group whose timeout is that long.
-        _agree(f"waiting for {what}", lambda: dist.barrier(group=g))
+        _agree(f"waiting for {what}", lambda: dist.barrier(group=g), "barrier", g)
     raise_together(error, dims, what)
     return broadcast_object(result, dims, what) if share else result
 
@@ -175,7 +179,7 @@ def any_rank(flags: list[bool], dims: ParallelDims, what: str = "stop/save flags
     if g is None:
         return flags
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    _agree(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g))
+    _agree(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g), "all_reduce", g)
     return [bool(x) for x in t.tolist()]
 
 
@@ -186,7 +190,7 @@ def sum_over_ranks(values: list[float], dims: ParallelDims, what: str) -> list[f
     if g is None:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    _agree(what, lambda: dist.all_reduce(t, group=g))
+    _agree(what, lambda: dist.all_reduce(t, group=g), "all_reduce", g)
     return t.tolist()
 
 
@@ -202,7 +206,7 @@ def broadcast_object(obj: T, dims: ParallelDims, what: str, group=None) -> T:
     if g is None:
         return obj
     box = [obj]
-    _agree(what, lambda: dist.broadcast_object_list(box, src=0, group=g))
+    _agree(what, lambda: dist.broadcast_object_list(box, src=0, group=g), "broadcast_object_list", g)
     return box[0]
 
 
@@ -213,15 +217,26 @@ def all_gather_object(obj, dims: ParallelDims, what: str, group=None) -> list:
     if g is None:
         return [obj]
     out = [None] * dist.get_world_size(g)
-    _agree(what, lambda: dist.all_gather_object(out, obj, group=g))
+    _agree(what, lambda: dist.all_gather_object(out, obj, group=g), "all_gather_object", g)
     return out
+
+
+def watch_exchange(flags: list[int], group) -> list[int]:
+    """Host, ``group`` (the hang watchers' gloo group, from their own thread): the element-wise
+    maximum of ``flags`` over its ranks. Not itself noted by hang.py: it is the watchers' own."""
+    t = torch.tensor(flags, dtype=torch.int32)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as e:
+        raise CollectiveError(f"rank {_rank()}: the hang watchers' exchange failed: {first_line(e)}") from e
+    return t.tolist()
 
 
 def barrier(dims: ParallelDims, what: str) -> None:
     """Host, control group: wait for every rank."""
     g = dims.group("control")
     if g is not None:
-        _agree(what, lambda: dist.barrier(group=g))
+        _agree(what, lambda: dist.barrier(group=g), "barrier", g)
 
 
 def all_present(dims: ParallelDims, what: str, timeout: timedelta) -> None:
@@ -229,7 +244,8 @@ def all_present(dims: ParallelDims, what: str, timeout: timedelta) -> None:
     naming the ranks that did not (gloo's monitored barrier; the others then lose rank 0)."""
     g = dims.group("control")
     if g is not None:
-        _agree(what, lambda: dist.monitored_barrier(group=g, timeout=timeout, wait_all_ranks=True))
+        _agree(what, lambda: dist.monitored_barrier(group=g, timeout=timeout, wait_all_ranks=True),
+               "monitored_barrier", g)
 
 
 # ---------------------------------------------------------------- device (accelerator groups)
@@ -258,7 +274,8 @@ def _newest(module, name: str, older: str):
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Device, ``group`` (an accelerator group of ParallelDims): in place, returns ``x``."""
     _check_device(x, group, "all_reduce")
-    dist.all_reduce(x, op=op, group=group)
+    with hang.waiting_in("all_reduce", "a device tensor", group):
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -278,21 +295,24 @@ def all_reduce_start(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: the ranks' ``x`` concatenated along dim 0 into ``out``."""
     _check_device(x, group, "all_gather")
-    _newest(dist, "all_gather_single", "all_gather_into_tensor")(out, x, group=group)
+    with hang.waiting_in("all_gather", "a device tensor", group):
+        _newest(dist, "all_gather_single", "all_gather_into_tensor")(out, x, group=group)
     return out
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: the sum over ranks of ``x``, this rank's dim-0 slice into ``out``."""
     _check_device(x, group, "reduce_scatter")
-    _newest(dist, "reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
+    with hang.waiting_in("reduce_scatter", "a device tensor", group):
+        _newest(dist, "reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
     return out
 
 
 def all_to_all_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
     """Device, ``group``: dim-0 slice i of ``x`` to rank i; slice i of ``out`` from rank i."""
     _check_device(x, group, "all_to_all_single")
-    dist.all_to_all_single(out, x, group=group)
+    with hang.waiting_in("all_to_all_single", "a device tensor", group):
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 

@@ -55,6 +55,13 @@ DEVICES = {
     "H200": DeviceSpec(989e12, 494e12, 141, 2000, 350, 50, 50),
     "GAUDI2": DeviceSpec(432e12, 432e12 / 4, 96, 1000, 250, 37.5, 25),  # HLS-Gaudi2 (1 TB)
     "GAUDI3": DeviceSpec(1835e12, 1835e12 / 4, 128, 1000, 500, 75, 50),
+    # One tile (stack) of an Intel Data Center GPU Max 1550, the rank unit on Aurora (12 per
+    # node). ALCF publishes measured rates, not a data-sheet peak per tile: bf16 GEMM 273 TFLOP/s,
+    # fp32 23; tile-to-tile over Xe Link 196 GB/s within a GPU but 15 between GPUs (one way);
+    # 8 Slingshot-11 endpoints of 25 GB/s per node for 12 tiles; PCIe 54 GB/s
+    # (docs.alcf.anl.gov/aurora/node-performance-overview/, .../hardware-overview/machine-overview/).
+    # Memory: 64 GiB per tile; host: 2 × (512 GB DDR5 + 64 GB HBM) per node.
+    "MAX1550": DeviceSpec(273e12, 23e12, 68.7, 1150, 20, 16.7, 54),
 }
 
 
@@ -68,6 +75,10 @@ def device_spec(name: str) -> DeviceSpec | None:
         if key.split("-")[0] in upper:
             return spec
     return None
+
+
+class DeviceError(RuntimeError):
+    """The device asked for cannot be used here (its software is missing): the same on every rank."""
 
 
 def cpu_unless_accelerator() -> None:
@@ -92,9 +103,20 @@ def select_accelerator(device: str, hpu_mode: str = "lazy"):
         os.environ["DS_ACCELERATOR"] = device
     else:
         cpu_unless_accelerator()
-    from deepspeed.accelerator import get_accelerator
+    try:
+        from deepspeed.accelerator import get_accelerator  # importing deepspeed picks it already
 
-    acc = get_accelerator()
+        acc = get_accelerator()
+    except (AssertionError, ImportError, ValueError) as e:
+        if os.environ.get("DS_ACCELERATOR") != "xpu":
+            raise
+        # DeepSpeed's XPU accelerator asserts torch.xpu (newer releases) or imports Intel's
+        # extension (older ones): say which, and what to install.
+        raise DeviceError(f"training.device=xpu (DS_ACCELERATOR=xpu): DeepSpeed's XPU accelerator "
+                          f"cannot start here: {str(e).rstrip('.')}. It needs a torch built for Intel "
+                          f"GPUs with torch.xpu.is_available() true (on Aurora: module load frameworks; "
+                          f"DeepSpeed releases before 0.17 also need intel_extension_for_pytorch)"
+                          ) from None
     if device != "auto" and acc.device_name() != device:
         raise RuntimeError(f"training.device={device} but DeepSpeed selected '{acc.device_name()}'")
     return acc
@@ -253,7 +275,27 @@ def habana_kernels() -> DeviceKernels:
 
 def communication_backend(acc) -> str:
     # gloo is the CPU backend that ships with every torch build (oneCCL may not be installed).
-    return "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
+    if acc.device_name() == "cpu":
+        return "gloo"
+    return xpu_backend() if acc.device_name() == "xpu" else acc.communication_backend_name()
+
+
+def xpu_backend() -> str:
+    """oneCCL for Intel GPUs: torch's own ``xccl`` where this torch has it (2.8 and later, built
+    for XPU), else the ``ccl`` that importing ``oneccl_bindings_for_pytorch`` registers. (DeepSpeed's
+    accelerator prefers ``ccl`` whenever the bindings import: the bindings are the older path.)"""
+    import torch.distributed as dist
+
+    available = getattr(dist, "is_xccl_available", None)
+    if available is not None and available():
+        return "xccl"
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+    except ImportError:
+        raise DeviceError("training.device=xpu: no oneCCL backend: this torch has no 'xccl' (torch 2.8+ "
+                          "built for XPU) and oneccl_bindings_for_pytorch is not installed; on Aurora "
+                          "load the frameworks module, elsewhere install torch for XPU") from None
+    return "ccl"
 
 
 def host_rss_gib() -> float:

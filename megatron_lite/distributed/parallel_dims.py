@@ -23,7 +23,7 @@ AXES = ("tensor", "ulysses", "context", "data", "pipeline")
 GROUP_AXES = {"tensor": ("tensor",), "ulysses": ("ulysses",), "context": ("context",),
               "data": ("data",), "pipeline": ("pipeline",), "sequence": ("ulysses", "context"),
               "sequence_data": ("ulysses", "context", "data"), "world": AXES}
-HOST_GROUPS = ("control", "checkpoint", "setup")
+HOST_GROUPS = ("control", "checkpoint", "setup", "watch")
 """The gloo groups of host control, each of every rank (``create_control_groups``)."""
 
 
@@ -156,6 +156,8 @@ class ParallelDims:
         so that a one-device run takes the same paths as a multi-device one."""
         import torch.distributed as dist  # here: a launcher's layout check needs no torch
 
+        from megatron_lite.distributed import hang
+
         self.create_control_groups(timeout, setup_timeout)
         for name, axes in GROUP_AXES.items():
             for ranks in self.group_ranks(axes):
@@ -179,6 +181,9 @@ class ParallelDims:
                 group = dist.new_group(ends, timeout=timeout)
                 if self.rank in ends:
                     self.groups["embedding"] = group
+        for name, group in self.groups.items():  # hang.py's record names each group's ranks
+            limit = setup_timeout if name == "setup" and setup_timeout else timeout
+            hang.register_group(group, limit.total_seconds())
 
     def create_control_groups(self, timeout: timedelta, setup_timeout: timedelta | None = None) -> None:
         """Collective: the gloo groups of host control, first (once), so that ranks can agree
@@ -196,6 +201,8 @@ class ParallelDims:
         # timeout whatever it is given (torch before 2.10 has no barrier(timeout=), and gloo
         # ignores a per-call timeout), so the long wait needs a group of its own.
         self.groups["setup"] = dist.new_group(timeout=setup_timeout or timeout, backend="gloo")
+        # The hang watchers' exchange (distributed/hang.py), from a thread of their own.
+        self.groups["watch"] = dist.new_group(timeout=timeout, backend="gloo")
 
     def group(self, name: str):
         """The process group of this rank along ``name``; None only where torch.distributed was

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import megatron_lite.distributed.collectives as collectives
 import megatron_lite.distributed.cpu_extensions as cpu_extensions
 import megatron_lite.distributed.device as devmod
+import megatron_lite.distributed.hang as hang
 from megatron_lite.config.schema import Config
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.parallel_dims import ParallelDims, TopologyError
@@ -34,6 +37,8 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     env.export()
     if acc.device_name() != "cpu":
         acc.set_device(env.local_rank)
+    if acc.device_name() == "cuda":  # before NCCL's groups exist: they read it when made
+        os.environ.update(hang.nccl_recorder_environment(Path(cfg.logging.dir) / "hang"))
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
     # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
     collectives.set_default_timeout(timeout)

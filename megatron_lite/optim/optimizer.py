@@ -37,8 +37,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
                                 adamw_mode=True)
     if adamw is not None:
         return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    # torch's fused AdamW has kernels for CUDA and CPU; elsewhere the multi-tensor path.
-    fused = device_type in ("cuda", "cpu")
+    # torch's fused AdamW has kernels for CUDA, Intel GPUs and CPU; elsewhere the multi-tensor path.
+    fused = device_type in ("cuda", "xpu", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused, foreach=None if fused else True)

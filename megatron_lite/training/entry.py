@@ -105,11 +105,13 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     from megatron_lite.distributed import TopologyError, detect
     from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.distributed.cpu_extensions import StaleBuildLock
+    from megatron_lite.distributed.device import DeviceError
     from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.control import Stopped, stop_on_signals
     from megatron_lite.training.run import run
 
     stop_on_signals()
+    began = time.time()  # a hang report of this run is newer
     try:
         try:
             run(cfg, env, on_record)
@@ -120,9 +122,11 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except Stopped as e:
         return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
-    except (TopologyError, InitFromError) as e:  # the same on every rank
+    except (TopologyError, InitFromError, DeviceError) as e:  # the same on every rank
         return 2, str(e), False
-    except (ValueError, CheckpointError, SpikeStop, CollectiveError, StaleBuildLock) as e:
+    except CollectiveError as e:
+        return 1, _with_hang_verdict(str(e), cfg, began), True
+    except (ValueError, CheckpointError, SpikeStop, StaleBuildLock) as e:
         return 1, str(e), True
     except OSError as e:  # the environment (a path, a permission, a full disk): no traceback
         return 1, f"rank {(env or detect()).rank}: {first_line(e)}", True
@@ -137,7 +141,19 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
         traceback.print_exc()
         if isinstance(e, dist.DistError) or "timed out" in reason.lower():
             # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
-            reason = (f"a collective failed (distributed.timeout_minutes="
-                      f"{cfg.distributed.timeout_minutes}): {reason}")
+            reason = _with_hang_verdict(f"a collective failed (distributed.timeout_minutes="
+                                        f"{cfg.distributed.timeout_minutes}): {reason}", cfg, began)
         return 1, f"rank {rank}: {reason}", True
     return 0, None, True
+
+
+def _with_hang_verdict(reason: str, cfg: Config, since: float) -> str:
+    """``reason`` followed by the hang report's verdict when the ranks wrote where they were
+    during this run (distributed/hang.py), on the same line."""
+    from pathlib import Path
+
+    from megatron_lite.distributed.hang_report import verdict
+
+    folder = Path(cfg.logging.dir) / "hang"
+    found = verdict(folder, since) if folder.is_dir() else None
+    return reason if found is None else f"{reason} | {found} (tools/hang_report.py {cfg.logging.dir})"

@@ -16,7 +16,8 @@ from megatron_lite.data.build import ensure_dataset
 from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import vocab_size_offline
 from megatron_lite.distributed import detect, init_distributed
-from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all
+from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all, watch_exchange
+from megatron_lite.distributed.hang import HangWatch
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.startup import abandon_distributed, shutdown_distributed
 from megatron_lite.engine.config import deepspeed_config
@@ -26,6 +27,9 @@ from megatron_lite.logging.console import emit_line
 from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.training.build import build
 from megatron_lite.training.trainer import RunResult, Trainer
+
+FINISHED_FILE = "finished.json"
+"""Written under ``logging.dir`` when a run has trained all its steps (removed when one starts)."""
 
 
 def train_samples(cfg: Config, iters: int, global_batch: int) -> int:
@@ -89,8 +93,18 @@ def run(cfg: Config, env: LaunchEnv | None = None,
     variables). ``on_record`` receives every training record, on every rank (a launcher's own
     metrics channel, such as Ray's)."""
     dims, acc = init_distributed(cfg, env or detect())
+    watch = None
+    if cfg.distributed.hang_dump_after > 0 and dims.group("watch") is not None:
+        group = dims.group("watch")
+        watch = HangWatch(Path(cfg.logging.dir) / "hang", dims.rank,
+                          lambda flags: watch_exchange(flags, group), cfg.distributed.hang_dump_after,
+                          nccl=acc.device_name() == "cuda").start()
     try:
-        result = _run_on_groups(cfg, dims, acc, on_record)
+        try:
+            result = _run_on_groups(cfg, dims, acc, on_record)
+        finally:
+            if watch is not None:
+                watch.stop()
     except BaseException:
         abandon_distributed()
         raise
@@ -154,6 +168,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
 
     def write_run_files() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / FINISHED_FILE).unlink(missing_ok=True)  # this run is not (an extended one)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "runtime.json").write_text(json.dumps(runtime, indent=2))
 
@@ -179,4 +194,9 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
         logger.close()
     if result.final_val_loss is not None and result.stopped is None:
         log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
+    if result.stopped is None:
+        # What a chained job looks for (launch/pbs_common.sh): the run needs no further job.
+        done = json.dumps({"steps": result.steps, "iters": iters}) + "\n"
+        on_one_rank_then_all(lambda: (run_dir / FINISHED_FILE).write_text(done), dims,
+                             f"writing {run_dir}/{FINISHED_FILE}")
     return result

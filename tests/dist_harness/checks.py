@@ -18,6 +18,11 @@ Installed in each test process (``sitecustomize.py`` beside this file), this mod
   the calling line. DeepSpeed's own calls on the default group pass device tensors on hardware
   (it allocates them on the accelerator), and a barrier carries no tensor of the caller's: those
   run on a gloo group of all ranks instead, as they would succeed on NCCL/HCCL;
+- holds the accelerator groups to what every accelerator backend takes: oneCCL (torch's
+  ``xccl``, Intel's ``ccl``) reduces with SUM, MIN, MAX and PRODUCT only (no AVG in older
+  releases and none in ``ccl``; no bitwise ops or PREMUL_SUM), takes uint8, int8, int32,
+  int64, bool and float tensors only (no int16/uint16/uint32/uint64), and cannot split groups
+  (``split_group``): each raises ``AcceleratorSemanticsError`` as it would fail on Aurora;
 - with ``DIST_HARNESS_REPORT=DIR``, writes ``DIR/rank{R}.json`` at exit: every group (role,
   ranks, timeout) and every collective called from the project's code (name, group role, the
   project function that called it, whether DeepSpeed issued it on the project's behalf), so
@@ -49,6 +54,12 @@ TENSOR_COLLECTIVES = (
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
                       "scatter_object_list", "send_object_list", "recv_object_list")
+
+
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+              "_reduce_scatter_base")
+ONECCL_OPS = ("SUM", "MIN", "MAX", "PRODUCT")
+ONECCL_DTYPES = ("uint8", "int8", "int32", "int64", "bool", "float16", "bfloat16", "float32", "float64")
 
 
 class AcceleratorSemanticsError(RuntimeError):
@@ -153,8 +164,11 @@ def _describe(group) -> str:
 
 
 def _record(name: str, role: str) -> None:
+    import threading
+
     frame = _project_frame()
-    if frame is None:
+    # The hang watchers' exchange runs on a timer of its own: its count differs from run to run.
+    if frame is None or threading.current_thread().name == "hang-watch":
         return
     site = f"{os.path.relpath(frame.filename, REPO).removeprefix('megatron_lite' + os.sep)}:{frame.name}"
     calls.append({"name": name, "role": role, "site": site,
@@ -193,6 +207,8 @@ def _check(name: str, args, kwargs):
             f"{name} on {_describe(group)}, called at {_call_site()}: on NCCL/HCCL a rank that "
             "sends to and receives from the same peer must issue both together "
             "(dist.batch_isend_irecv), or both ranks wait in their send until the watchdog")
+    if role != HOST_ROLE and not _from_deepspeed():
+        _check_oneccl(name, group, args, kwargs)
     if default and not ops and (name == "barrier" or _from_deepspeed()):
         return _cpu_world[0]
     if default:
@@ -202,6 +218,26 @@ def _check(name: str, args, kwargs):
                 f"{name} of a host (cpu) tensor on the default process group, called at "
                 f"{_call_site()}: NCCL/HCCL would fail with 'No backend type associated with "
                 "device type cpu'")
+
+
+def _check_oneccl(name: str, group, args, kwargs) -> None:
+    """What oneCCL refuses on an accelerator group (see the module's docstring)."""
+    if name in REDUCTIONS:
+        params = _parameters(name)
+        op = kwargs.get("op")
+        if op is None and "op" in params and params.index("op") < len(args):
+            op = args[params.index("op")]
+        op_name = str(getattr(op, "name", op)).rsplit(".", 1)[-1] if op is not None else "SUM"
+        if op_name not in ONECCL_OPS:
+            raise AcceleratorSemanticsError(
+                f"{name} with ReduceOp.{op_name} on {_describe(group)}, called at {_call_site()}: "
+                f"oneCCL reduces with {', '.join(ONECCL_OPS)} only (Aurora's xccl and ccl refuse it)")
+    for t in _tensors(args, kwargs):
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in ONECCL_DTYPES and not dtype.startswith("float8"):
+            raise AcceleratorSemanticsError(
+                f"{name} of a {dtype} tensor on {_describe(group)}, called at {_call_site()}: "
+                f"oneCCL takes {', '.join(ONECCL_DTYPES)} only")
 
 
 _originals: dict[str, object] = {}
@@ -262,6 +298,13 @@ def install() -> None:
 
     dist.init_process_group = init_process_group
     dist.new_group = checked_new_group
+    if hasattr(dist, "split_group"):
+        def split_group(*args, **kwargs):
+            raise AcceleratorSemanticsError(
+                f"split_group, called at {_call_site()}: oneCCL's xccl cannot split a group "
+                "(torch reports no splitting support for it); create groups with new_group")
+
+        dist.split_group = split_group
     for name in (*TENSOR_COLLECTIVES, *OBJECT_COLLECTIVES, "barrier", "monitored_barrier",
                  "batch_isend_irecv"):
         _wrap(name)

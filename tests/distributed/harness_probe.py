@@ -35,6 +35,14 @@ def main() -> None:
         "object, default group": lambda: dist.broadcast_object_list([1], src=0),
         "object, accelerator group": lambda: dist.broadcast_object_list([1], src=0, group=device_group),
         "device helper, default group": lambda: collectives.all_reduce(torch.zeros(1), dist.group.WORLD),
+        # What oneCCL (Aurora) refuses and gloo takes, on an accelerator group.
+        "oneccl: AVG": lambda: collectives.all_reduce(torch.ones(2), device_group, op=dist.ReduceOp.AVG),
+        "oneccl: BOR": lambda: collectives.all_reduce(torch.ones(2, dtype=torch.int32), device_group,
+                                                      op=dist.ReduceOp.BOR),
+        "oneccl: int16": lambda: collectives.all_reduce(torch.ones(2, dtype=torch.int16), device_group),
+        "oneccl: split_group": lambda: dist.split_group(split_ranks=[[0], [1]]),
+        "oneccl: MAX of int32": lambda: collectives.all_reduce(torch.ones(2, dtype=torch.int32), device_group,
+                                                               op=dist.ReduceOp.MAX),
         # What the project does: host control on gloo, device tensors on accelerator groups.
         "control: any_rank": lambda: collectives.any_rank([dims.rank == 1], dims),
         "control: broadcast_object": lambda: collectives.broadcast_object("x", dims, "probe"),

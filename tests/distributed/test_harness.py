@@ -53,8 +53,13 @@ def test_the_harness_refuses_what_an_accelerator_group_would(tmp_path):
         assert got["device helper, default group"].startswith("CollectiveError: all_reduce: a host (cpu)")
         assert got["p2p, unbatched"].startswith("AcceleratorSemanticsError: isend on an accelerator")
         assert "batch_isend_irecv" in got["p2p, unbatched"]
+        assert got["oneccl: AVG"].startswith("AcceleratorSemanticsError: all_reduce with ReduceOp.AVG on an "
+                                             "accelerator"), got["oneccl: AVG"]
+        assert got["oneccl: BOR"].startswith("AcceleratorSemanticsError: all_reduce with ReduceOp.BOR")
+        assert got["oneccl: int16"].startswith("AcceleratorSemanticsError: all_reduce of a int16 tensor")
+        assert got["oneccl: split_group"].startswith("AcceleratorSemanticsError: split_group")
         for case in ("control: any_rank", "control: broadcast_object", "control: raise_together",
-                     "device: all_reduce", "device: ring_exchange"):
+                     "device: all_reduce", "device: ring_exchange", "oneccl: MAX of int32"):
             assert got[case] == "ok", (case, got[case])
         assert got["any_rank value"] == [True]
 
@@ -148,13 +153,16 @@ def test_skipping_the_gradient_all_reduce_over_one_rank_changes_nothing():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("equal"), proc.stderr[-3000:]
 
 
-def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
-    """Rank 1 sleeps before its third log line's loss average; rank 0 waits in that collective
-    until distributed.timeout_minutes (9 s), exits naming it, and the launcher stops rank 1."""
+def test_a_stuck_rank_ends_the_run_within_the_timeout_and_says_where_each_rank_was(tmp_path):
+    """Rank 1 sleeps before its third log line (tests/faults.py); rank 0 waits in that line's
+    loss average until distributed.timeout_minutes (9 s), exits naming it, and the launcher
+    stops rank 1. Half-way through the wait (distributed.hang_dump_after) both ranks write where
+    they are: tools/hang_report.py and rank 0's error line name rank 1 as the one missing."""
     timeout_s = 9
-    env = {**cpu_env(), "DIST_HARNESS_STALL": "1:_train_record:3:900"}
+    env = {**cpu_env(), "FAULT_STALL_LOG": "3:900:1"}
     cmd = pretrain_command([*_args(tmp_path), "training.iters=20", f"logging.dir={tmp_path}/run",
-                            f"distributed.timeout_minutes={timeout_s / 60}"], nproc=2)
+                            f"distributed.timeout_minutes={timeout_s / 60}",
+                            "distributed.hang_dump_after=0.5"], nproc=2)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     # Reading stops when every process has closed its output; a watchdog kills them all
@@ -166,8 +174,8 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if "[harness] rank 1 stalls" in line:
-                stalled = time.monotonic()
+            if "[fault] rank 1 stalls" in line:
+                stalled, stalled_wall = time.monotonic(), time.time()
                 ranks = psutil.Process(proc.pid).children(recursive=True)
         proc.wait()
     finally:
@@ -179,10 +187,56 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path):
     assert ended - stalled < timeout_s + 60, f"{ended - stalled:.0f} s\n{out[-3000:]}"
     assert "error: rank 0: the logged loss (a collective on a gloo control group) failed: " \
            "Timed out" in out, out[-3000:]
+    # Both ranks wrote where they were before the timeout; the report and the error line agree.
+    for rank in (0, 1):
+        dump = json.loads((tmp_path / "run" / "hang" / f"rank{rank}.json").read_text())
+        assert dump["time"] - stalled_wall < timeout_s, (rank, dump["time"] - stalled_wall)
+    report = subprocess.run([sys.executable, "tools/hang_report.py", str(tmp_path / "run")], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    verdict = report.stdout.splitlines()[0]
+    assert verdict.startswith("hang: rank 0 waits in all_reduce 'the logged loss' (#"), report.stdout
+    assert "on the gloo group of ranks 0, 1) for " in verdict, report.stdout
+    # Rank 1 is named with where its main thread is: the fault's sleep, called from the loop.
+    assert "; missing: rank 1 (has begun " in verdict, report.stdout
+    assert "in stalled_record (called from _train)" in verdict, report.stdout
+    error_line = next(line for line in lines if line.startswith("error: rank 0: the logged loss"))
+    assert verdict in error_line, error_line
     # No rank is left behind (torchrun starts each in a session of its own: the launcher's
     # process group does not hold them).
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert ranks and not alive, alive
+
+
+def test_sigusr2_to_one_rank_has_every_rank_say_where_it_is_and_the_run_goes_on(tmp_path):
+    """Both ranks sleep 6 s before their second log line; SIGUSR2 to rank 1 meanwhile: both
+    write where they are (the watchers pass the request on), and the run ends normally."""
+    cmd = pretrain_command([*_args(tmp_path), "training.iters=6", f"logging.dir={tmp_path}/run",
+                            "distributed.timeout_minutes=0.5"], nproc=2)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**cpu_env(), "FAULT_STALL_LOG": "2:6"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    lines, sent = [], False
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "[fault] rank 1 stalls" in line and not sent:
+                ranks = psutil.Process(proc.pid).children(recursive=True)
+                rank1 = next(p for p in ranks if p.environ().get("RANK") == "1")
+                rank1.send_signal(signal.SIGUSR2)
+                sent = True
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    out = "".join(lines)
+    assert sent and proc.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        dump = json.loads((tmp_path / "run" / "hang" / f"rank{rank}.json").read_text())
+        assert dump["reason"] == "SIGUSR2 received", dump["reason"]
+        main = next(t for t in dump["threads"] if t["main"])
+        assert any(f["function"] == "stalled_record" for f in main["frames"]), main["frames"][-3:]
 
 
 def test_ranks_wait_for_the_dataset_build_longer_than_a_collective(tmp_path):
@@ -193,3 +247,5 @@ def test_ranks_wait_for_the_dataset_build_longer_than_a_collective(tmp_path):
                         env={"DIST_HARNESS_STALL": "0:_run_on_groups:1:14"})
     check(proc)
     assert "[harness] rank 0 stalls 14 s before barrier in training/run.py:_run_on_groups" in proc.stdout
+    # A long wait in its own group is no hang: measured against that group's timeout.
+    assert not (tmp_path / "run" / "hang").exists()

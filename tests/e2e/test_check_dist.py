@@ -28,11 +28,11 @@ def test_four_ranks_pass_every_group_and_collective():
     for group, ranks in [("tensor", "[0, 1]"), ("tensor", "[2, 3]"), ("data", "[0, 2]"), ("data", "[1, 3]")]:
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             assert f"{group:<14} {ranks:<20} {op:<15}" in out, (group, ranks, op)
-    for group in ("control", "checkpoint", "setup", "world"):
+    for group in ("control", "checkpoint", "setup", "watch", "world"):
         assert f"{group:<14} {'[0, 1, 2, 3]':<20} {'all_reduce':<15}" in out
     assert "DS_ACCELERATOR=cpu" in out and "LOCAL_RANK=0   (differs on ranks [1, 2, 3])" in out
     assert "groups of one rank (created and checked, no traffic): context, pipeline, sequence, ulysses" in out
-    assert "check_dist: OK (4 ranks, 11 groups per rank)" in out
+    assert "check_dist: OK (4 ranks, 12 groups per rank)" in out
 
 
 def test_the_deepspeed_launcher_runs_it_on_a_pipeline_layout():

@@ -227,6 +227,86 @@ def test_polaris_overrides_keep_spaces_and_commas_and_the_walltime_left_counts(t
         r"data.split=969\,30\,1 training.sample_prompt=A\,\ B training.exit_duration_mins=80")
 
 
+def _chain_job(tmp_path, status: int, finish: bool, **env: str):
+    """One job of a chain (CHAIN=3, job 100.polaris) with fake qstat, qsub, qdel and mpiexec:
+    mpiexec exits with ``status`` and, with ``finish``, leaves the trainer's finished.json.
+    Returns (result, qsub's arguments or None, qdel's arguments or None, whether mpiexec ran)."""
+    seen = tmp_path / "seen"
+    shutil.rmtree(seen, ignore_errors=True)
+    seen.mkdir()
+    run_dir = tmp_path / "run"
+    _fake_command(tmp_path, "qstat", "printf '%s\\n' '    Resource_List.select = 2:system=polaris' "
+                  "'    Resource_List.walltime = 06:00:00' '    queue = prod' '    Account_Name = MyProj' "
+                  "'    Resource_List.filesystems = home:eagle' '    resources_used.walltime = 00:00:10'")
+    _fake_command(tmp_path, "qsub", f'printf "%s\\0" "$@" > {seen}/qsub; echo 201.polaris')
+    _fake_command(tmp_path, "qdel", f'printf "%s\\0" "$@" > {seen}/qdel')
+    path = _fake_command(tmp_path, "mpiexec", f"touch {seen}/ran; mkdir -p {run_dir}; "
+                         + (f"echo '{{}}' > {run_dir}/finished.json; " if finish else "") + f"exit {status}")
+    base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
+    out = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), "recipes/gpt2-124m.yaml",
+                          f"logging.dir={run_dir}", "training.eval_iters=5"], cwd=REPO,
+                         env={**base, "PATH": path, "MPI_FLAVOR": "pals", "PBS_JOBID": "100.polaris",
+                              "CHAIN": "3", "NGPUS_PER_NODE": "2",
+                              "PBS_NODEFILE": _nodefile(tmp_path, ["x3001c0s1b0n0"]), **env},
+                         capture_output=True, text=True, timeout=300)
+    read = {name: (seen / name).read_text().split("\0")[:-1] if (seen / name).exists() else None
+            for name in ("qsub", "qdel")}
+    return out, read["qsub"], read["qdel"], (seen / "ran").exists()
+
+
+def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels_it(tmp_path):
+    # A run that saved and stopped for walltime (status 0, not finished): the successor stays,
+    # queued after this job with the same resources, recipe, overrides and settings.
+    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False)
+    assert out.returncode == 0 and ran, out.stdout[-2000:] + out.stderr[-2000:]
+    assert qdel is None
+    assert qsub[:qsub.index("-v")] == ["-A", "MyProj", "-q", "prod", "-l", "select=2:system=polaris",
+                                       "-l", "walltime=06:00:00", "-l", "filesystems=home:eagle",
+                                       "-W", "depend=afterany:100.polaris"]
+    assert qsub[-1] == str(REPO / "launch" / "polaris.sh")
+    passed = dict(item.split("=", 1) for item in qsub[qsub.index("-v") + 1].split(","))
+    assert passed["RECIPE"] == "recipes/gpt2-124m.yaml" and passed["CHAIN"] == "2"
+    assert passed["CHAIN_OF"] == "100.polaris" and passed["NGPUS_PER_NODE"] == "2"
+    assert passed["MPI_FLAVOR"] == "pals" and "CPU_BIND" not in passed  # only what the job was given
+    # The overrides as given (the walltime's exit_duration_mins is each job's own).
+    assert Path(passed["OVERRIDES_FILE"]).read_text().splitlines() == [
+        f"logging.dir={tmp_path / 'run'}", "training.eval_iters=5"]
+    assert "chain: submitted 201.polaris" in out.stdout
+
+    # The run finished in this job: the successor is cancelled.
+    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=True)
+    assert out.returncode == 0 and qsub is not None and qdel == ["201.polaris"], out.stdout[-2000:]
+    assert "chain: the run is finished" in out.stdout
+    # A failure that is not a walltime stop: the successor is cancelled, the status kept.
+    (tmp_path / "run" / "finished.json").unlink()
+    out, qsub, qdel, ran = _chain_job(tmp_path, 1, finish=False)
+    assert out.returncode == 1 and qdel == ["201.polaris"], out.stdout[-2000:]
+    assert "chain: the run failed (exit status 1" in out.stdout
+    # A successor that starts after the run finished trains nothing and queues nothing.
+    (tmp_path / "run" / "finished.json").write_text("{}\n")
+    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False, CHAIN_OF="100.polaris", CHAIN="2")
+    assert out.returncode == 0 and not ran and qsub is None and qdel is None, out.stdout[-2000:]
+    assert "is finished" in out.stdout
+
+
+def test_polaris_sends_sigusr2_to_a_run_still_there_after_its_walltime_signal(tmp_path):
+    """A run that ignores SIGUSR1 (stuck) gets SIGUSR2 HANG_GRACE_MIN later: its ranks write
+    where they are (tests/distributed/test_harness.py shows what they write)."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    path = _fake_command(tmp_path, "mpiexec", f"trap 'echo USR1 >> {seen}/signals' USR1\n"
+                         f"trap 'echo USR2 >> {seen}/signals; exit 7' USR2\n"
+                         "for _ in $(seq 600); do sleep 0.1; done")
+    base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
+    out = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), "recipes/gpt2-124m.yaml"], cwd=REPO,
+                         env={**base, "PATH": path, "MPI_FLAVOR": "pals", "WALLTIME": "00:01:05",
+                              "CHECKPOINT_MARGIN_MIN": "1", "HANG_GRACE_MIN": "0.05"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 7, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (seen / "signals").read_text().split() == ["USR1", "USR2"]
+    assert "still running 3 s after SIGUSR1: stuck; SIGUSR2" in out.stderr
+
+
 @pytest.mark.parametrize("mode, lazy", [("lazy", "1"), ("eager", "0"), ("compile", "0")])
 def test_gaudi_dry_run_sets_the_execution_mode(mode, lazy):
     out = _launch("gaudi.sh", "--dry-run", "recipes/llama2-7b-gaudi.yaml", f"training.hpu_mode={mode}",
@@ -268,6 +348,52 @@ def test_polaris_script_trains_for_real_with_mpiexec(tmp_path):
     runtime = json.loads((tmp_path / "run" / "runtime.json").read_text())
     assert runtime["world_size"] == 2 and runtime["data_parallel"] == 2
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+
+
+# ALCF's documented values (docs.alcf.anl.gov/aurora/running-jobs-aurora/: the 12-rank list;
+# .../data-science/frameworks/oneCCL/: the oneCCL variables; argonne-lcf Megatron-DeepSpeed
+# ALCF/helpers.sh: the worker cores), written here from those pages, not from the script.
+ALCF_12_RANK_LIST = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
+ALCF_ONECCL = {"CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi",
+               "CCL_KVS_USE_MPI_RANKS": "1", "CCL_KVS_CONNECTION_TIMEOUT": "600",
+               "CCL_CONFIGURATION": "cpu_gpu_dpcpp", "CCL_BCAST": "double_tree",
+               "CCL_ALLREDUCE_SCALEOUT": "direct:0-1048576;rabenseifner:1048577-max",
+               "FI_PROVIDER": "cxi", "FI_CXI_DEFAULT_CQ_SIZE": "1048576", "FI_CXI_RX_MATCH_MODE": "hybrid",
+               "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "PALS_PMI": "pmix",
+               "CCL_WORKER_AFFINITY": "5,13,21,29,37,45,57,65,73,81,89,97"}
+
+
+def test_aurora_dry_run_prints_alcfs_binding_and_oneccl_environment_for_two_nodes(tmp_path):
+    nodefile = _nodefile(tmp_path, [f"x4102c5s{n}b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov" for n in (2, 3)])
+    clean = {k: v for k, v in _launch_env().items() if not k.startswith(("CCL_", "FI_", "ZE_"))}
+    out = subprocess.run(["bash", str(REPO / "launch" / "aurora.sh"), "--dry-run",
+                          "recipes/llama2-7b-aurora.yaml"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**clean, "PBS_NODEFILE": nodefile, "MPI_FLAVOR": "pals"})
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.splitlines()[-1]
+    assert command == (f"mpiexec -n 24 -ppn 12 --hostfile {nodefile} --cpu-bind {ALCF_12_RANK_LIST} --envall "
+                       f"{sys.executable} pretrain.py recipes/llama2-7b-aurora.yaml training.device=xpu")
+    printed = dict(line.strip().split("=", 1) for line in out.stdout.splitlines() if line.startswith("  "))
+    for name, value in ALCF_ONECCL.items():
+        assert printed.get(name) == value, (name, printed.get(name))
+    assert printed["DS_ACCELERATOR"] == "xpu"
+    assert printed["MASTER_ADDR"] == "x4102c5s2b0n0.hsn.cm.aurora.alcf.anl.gov"  # the high-speed network
+
+
+def test_aurora_script_trains_for_real_with_mpiexec_on_cpu(tmp_path):
+    if shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec: the test extra installs MPICH's (pip install -e '.[test]'), or "
+                    "Debian's mpich package provides one")
+    nodefile = _nodefile(tmp_path, [socket.gethostname()])
+    out = _launch("aurora.sh", "recipes/shakespeare-char.yaml", *char_overrides(tmp_path),
+                  "training.iters=2", "training.log_interval=1", "training.eval_interval=0",
+                  "training.eval_iters=1", "training.global_batch_size=8", "training.micro_batch_size=4",
+                  "training.sample_tokens=0", PBS_NODEFILE=nodefile, NGPUS_PER_NODE="2", DEVICE="cpu")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mpiexec -n 2 -ppn 2" in out.stdout and "training.device=cpu" in out.stdout
+    runtime = json.loads((tmp_path / "run" / "runtime.json").read_text())
+    assert runtime["world_size"] == 2 and runtime["device"] == "cpu"
+    assert (tmp_path / "run" / "finished.json").exists()  # what a chained job looks for
 
 
 def test_polaris_check_mode_runs_check_dist_with_mpiexec(tmp_path):
@@ -356,15 +482,15 @@ def test_gaudi_refuses_a_missing_hostfile_and_a_bad_hpu_count(tmp_path):
 
 
 
-@pytest.mark.parametrize("script", ["polaris.sh", "gaudi.sh"])
+@pytest.mark.parametrize("script", ["polaris.sh", "aurora.sh", "gaudi.sh"])
 def test_help_shows_the_settings_and_a_missing_recipe_is_the_usage_line(script):
     helped = _launch(script, "--help")
     assert helped.returncode == 0 and "Settings (environment):" in helped.stdout, helped.stderr
     assert "#" not in helped.stdout.splitlines()[0] and "--dry-run" in helped.stdout
     usage = f"usage: launch/{script} [--dry-run] RECIPE [overrides]   (--help: the settings)"
     for args, says in (((), usage), (("--bogus",), "error: unknown option --bogus; usage:")):
-        if script == "polaris.sh" and args:
-            continue  # polaris.sh takes CHECK=1's options through to tools/check_dist.py
+        if script in ("polaris.sh", "aurora.sh") and args:
+            continue  # the PBS scripts take CHECK=1's options through to tools/check_dist.py
         out = _launch(script, *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         (line,) = out.stderr.strip().splitlines()
