@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Where one node (4 x A100-40GB, --plan's default) is not enough: the allocation a recipe's
 # header names, as --plan options.
 RECIPE_ALLOCATION = {"llama3-8b.yaml": ["--world-size", "8"],
-                     "llama3-8b-64k-polaris.yaml": ["--world-size", "16"]}
+                     "llama3-8b-64k-polaris.yaml": ["--world-size", "16"],
+                     "llama2-7b-aurora.yaml": ["--world-size", "24", "--gpus-per-node", "12",
+                                               "--device", "Max1550"]}
 SHARED_DATA = REPO.parent / "shared" / "data"
 TINY_SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 WORKS_JSONL = SHARED_DATA / "shakespeare_works.jsonl"

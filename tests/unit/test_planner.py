@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,7 +145,7 @@ def test_flops_and_step_time_by_hand():
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
     ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("GAUDI2", "GAUDI2"),
-    ("gaudi3", "GAUDI3"), ("A100", "A100-40GB"),
+    ("gaudi3", "GAUDI3"), ("A100", "A100-40GB"), ("Intel(R) Data Center GPU Max 1550", "MAX1550"),
 ])
 def test_device_names(name, key):
     assert device_spec(name) is DEVICES[key]
@@ -239,8 +240,21 @@ def test_loss_memory_is_what_the_loss_allocates():
         "fp32-vocab-parallel": loss_bytes(1024, 16, 32768, 4, tensor=4),
         "bf16-vocab-parallel": loss_bytes(1024, 16, 32768, 2, tensor=4),
     }
+    if not _cpu_has_bf16():
+        # Without bf16 instructions inductor's CPU code keeps an fp32 copy of each chunk (6 bytes
+        # a logit, measured): the compiled pass runs on GPUs only (compiles_softmax_pass), where
+        # no such copy exists, so this CPU cannot stand in for one there.
+        del planned["bf16-compiled"]
     for case, want in planned.items():
         assert 0.9 * want <= measured[case] <= 1.1 * want, (case, measured[case], want)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def test_tiling_shrinks_what_zero3_gathers_by_hand():
