@@ -89,6 +89,14 @@ OTHER_PRIVATE = {
     # numpy 2's home of numpy.core (checkpoint/store.py reads either; one of them exists).
     "_core": lambda: hasattr(importlib.import_module("numpy"), "_core")
     or hasattr(importlib.import_module("numpy"), "core"),
+    # Every thread's current frame, for the hang report (distributed/hang.py; in the sys docs).
+    "_current_frames": lambda: callable(getattr(importlib.import_module("sys"), "_current_frames", None)),
+    # torch's C extension and its c10d bindings, where the NCCL flight recorder's dump lives
+    # (distributed/hang.py reads it with getattr: absent on builds without NCCL).
+    "_C": lambda: hasattr(importlib.import_module("torch"), "_C"),
+    "_distributed_c10d": lambda: hasattr(importlib.import_module("torch")._C, "_distributed_c10d"),
+    "_dump_nccl_trace": lambda: not importlib.import_module("torch.distributed").is_nccl_available()
+    or hasattr(importlib.import_module("torch")._C._distributed_c10d, "_dump_nccl_trace"),
     # Ray's draining-node list, as Ray Train's own preemption watcher reads it (launch/ray_control.py).
     "_private": lambda: callable(getattr(importlib.import_module("ray._private.state").state,
                                          "get_draining_nodes", None)),
