@@ -57,6 +57,7 @@ sys.stdout.write("".join(w + "\0" for w in words))' "$OVERRIDES")
         wait $! || exit 2
     fi
     GIVEN_OVERRIDES=(${OVERRIDES_ARR[@]+"${OVERRIDES_ARR[@]}"})  # what a chained successor gets
+    [[ "${CHAIN:-0}" =~ ^[0-9]+$ ]] || { echo "error: CHAIN=$CHAIN: give the number of jobs to queue after this one (0 or more)" >&2; exit 2; }
     # The settings a successor gets: as this job was given them, before any default is filled.
     CHAIN_VARS=""
     local name
@@ -142,11 +143,18 @@ pbs_walltime() {  # sets SIGNAL_AFTER_S (empty: unknown) and HANG_GRACE_S
 pbs_check_recipe() {  # sets RUN_DIR (the run's logging.dir) for a training run
     RUN_DIR=""
     [[ "$PROGRAM" == pretrain.py ]] || return 0
-    local resolved
+    local resolved ck_dir
     resolved=$("${PYTHON:-python}" pretrain.py "$RECIPE" "${OVERRIDES_ARR[@]}" --print-config \
         --world-size "$NRANKS" --gpus-per-node "$PPN") || exit 2
-    RUN_DIR=$(awk '/^logging:/ {inside = 1; next} /^[^ ]/ {inside = 0} inside && $1 == "dir:" {print $2; exit}' <<< "$resolved")
-    RUN_DIR="${RUN_DIR%\'}"; RUN_DIR="${RUN_DIR#\'}"
+    { IFS= read -r RUN_DIR; IFS= read -r ck_dir; } < <("${PYTHON:-python}" -c '
+import sys
+from omegaconf import OmegaConf
+cfg = OmegaConf.create(sys.stdin.read())
+print(cfg.logging.dir); print(cfg.checkpoint.dir)' <<< "$resolved")
+    if [[ "${CHAIN:-0}" != 0 && ( -z "$ck_dir" || "$ck_dir" == None ) ]]; then
+        echo "error: CHAIN=$CHAIN with checkpoint.dir=null: every job would start the run again; give checkpoint.dir" >&2
+        exit 2
+    fi
 }
 
 # ---------------------------------------------------------------- mpiexec
@@ -175,7 +183,6 @@ _qstat_field() { awk -v key="$1" '$1 == key {sub(/^[^=]*= /, ""); print; exit}' 
 pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     NEXT_JOB=""
     local chain="${CHAIN:-0}"
-    [[ "$chain" =~ ^[0-9]+$ ]] || { echo "error: CHAIN=$chain: give the number of jobs to queue after this one" >&2; exit 2; }
     if [[ -n "${CHAIN_OF:-}" && -n "$RUN_DIR" && -f "$RUN_DIR/finished.json" ]]; then
         echo "chain: the run in $RUN_DIR is finished ($RUN_DIR/finished.json): nothing to do"
         exit 0
@@ -187,7 +194,8 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     local select_ walltime queue account filesystems place
     select_=$(_qstat_field Resource_List.select "$info"); walltime=$(_qstat_field Resource_List.walltime "$info")
     filesystems=$(_qstat_field Resource_List.filesystems "$info"); place=$(_qstat_field Resource_List.place "$info")
-    queue=$(_qstat_field queue "$info"); account=$(_qstat_field Account_Name "$info")
+    # The queue the job was submitted to (a routing queue such as prod), not the one it runs in.
+    queue="${PBS_O_QUEUE:-$(_qstat_field queue "$info")}"; account=$(_qstat_field Account_Name "$info")
     [[ -n "$account" ]] && resources+=(-A "$account")
     [[ -n "$queue" ]] && resources+=(-q "$queue")
     local item
@@ -209,6 +217,8 @@ pbs_chain_end() {  # $1: the run's exit status
     local why=""
     if [[ -n "$RUN_DIR" && -f "$RUN_DIR/finished.json" ]]; then
         why="the run is finished ($RUN_DIR/finished.json)"
+    elif [[ -n "${TERMINATED:-}" ]]; then  # qdel: the run saves and exits 0, but was told to stop
+        why="the job was sent SIGTERM (qdel)"
     elif [[ "$1" != 0 ]]; then
         why="the run failed (exit status $1; 0 is a run that saved and stopped for walltime)"
     fi
@@ -253,7 +263,7 @@ pbs_launch() {  # $@: lines that describe the launch; runs CMD
     MPI_PID=$!
     # Signals sent to this script (qdel's SIGTERM, a manual SIGUSR1 or SIGUSR2) go to the ranks
     # through mpiexec.
-    trap 'kill -TERM "$MPI_PID" 2> /dev/null' TERM
+    trap 'TERMINATED=1; kill -TERM "$MPI_PID" 2> /dev/null' TERM
     trap 'kill -USR1 "$MPI_PID" 2> /dev/null' USR1
     trap 'kill -USR2 "$MPI_PID" 2> /dev/null' USR2
     local watcher=""

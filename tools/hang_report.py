@@ -8,8 +8,9 @@ group, and which ranks are not there (and where they are instead).
 The ranks write those files when one of them has waited in a collective for
 ``distributed.hang_dump_after`` of its timeout, or when a rank is sent SIGUSR2 (the launchers
 send it to a job stuck past its walltime margin). On NCCL each rank also leaves
-``rank{R}.nccl_trace`` (and, on a timeout, torch writes ``nccl_trace_rank_{R}``): torch's
-flight-recorder analyser reads those (``python -m torch.distributed.flight_recorder.fr_trace``).
+``nccl_trace_rank_{R}`` (the name torch gives its own dumps on a timeout): torch's
+flight-recorder analyser reads those (``python -m torch.distributed.flight_recorder.fr_trace
+--prefix nccl_trace_rank_ RUN_DIR/hang``).
 Exit status 1 when there is nothing to read.
 """
 

@@ -282,8 +282,10 @@ class DistributedConfig:
     """When a rank has waited in one collective for this fraction of its timeout, every rank
     writes where it is (the collective it is in, its Python stacks; on NCCL the flight recorder)
     under ``logging.dir/hang/``, before the timeout ends the run; ``tools/hang_report.py`` then
-    names the ranks that are missing. A rank sent SIGUSR2 does the same. 0: never (SIGUSR2
-    neither)."""
+    names the ranks that are missing. So does a rank that has not moved (no step, no collective
+    of the project) for that long, and at least 2 minutes: a wait inside DeepSpeed's own
+    collectives. A rank sent SIGUSR2 does the same. 0: never (SIGUSR2 is then ignored). From
+    0.05 to 0.9."""
     master_addr: Optional[str] = None
     """The rendezvous host for launchers that do not name one (``launch/ray_train.py``): the
     first rank listens there, so it is used only when it is an address of the node Ray placed

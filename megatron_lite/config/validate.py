@@ -187,8 +187,9 @@ def validate(cfg: Config) -> list[str]:
         value = getattr(cfg.distributed, key)
         need(value > 0, f"'distributed.{key}' = {value} must be positive (minutes)")
     after = cfg.distributed.hang_dump_after
-    need(0 <= after < 1, f"'distributed.hang_dump_after' = {after} must be 0 (off) or a fraction of the "
-         "collective timeout below 1 (the dump must come before the timeout ends the run)")
+    need(after == 0 or 0.05 <= after <= 0.9,
+         f"'distributed.hang_dump_after' = {after} must be 0 (off) or a fraction of the collective "
+         "timeout from 0.05 to 0.9 (the dump must come before the timeout ends the run)")
     need(0 <= o.min_lr <= o.lr,
          f"'optimizer.min_lr' = {o.min_lr} must be between 0 and 'optimizer.lr' = {o.lr}")
     need(o.grad_clip >= 0, f"'optimizer.grad_clip' = {o.grad_clip} must be 0 (off) or positive")

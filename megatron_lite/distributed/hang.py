@@ -51,6 +51,8 @@ class Waiting:
 
     name: str
     what: str
+    group_name: str
+    """ParallelDims' name of the group (control, tensor, ...)."""
     group: tuple[int, ...]
     backend: str
     seq: int
@@ -60,19 +62,29 @@ class Waiting:
     timeout_s: float
 
 
-_groups: dict[int, tuple[tuple[int, ...], str, float]] = {}
-"""id(group) -> (its global ranks, its backend, its timeout in seconds); filled by ParallelDims."""
-_counts: dict[tuple[int, ...], int] = {}
-"""Per group (by its ranks): how many of the project's collectives this rank has begun on it."""
+_groups: dict[int, tuple[str, tuple[int, ...], str, float]] = {}
+"""id(group) -> (its name, its global ranks, its backend, its timeout in seconds); filled by
+ParallelDims."""
+_counts: dict[str, int] = {}
+"""Per group (by its name): how many of the project's collectives this rank has begun on it."""
+_last_progress = [time.time()]
+"""When this rank last began or ended a collective of the project, or began a training step."""
 _waiting: dict[int, Waiting] = {}
 """Thread id -> the collective that thread is in."""
 
 
-def register_group(group, timeout_s: float) -> None:
-    """Remember ``group``'s ranks, backend and timeout (``ParallelDims`` calls it for each group
-    it makes)."""
+def register_group(group, name: str, timeout_s: float) -> None:
+    """Remember ``group``'s name, ranks, backend and timeout (``ParallelDims`` calls it for each
+    group it makes)."""
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        _groups[id(group)] = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), timeout_s)
+        _groups[id(group)] = (name, tuple(dist.get_process_group_ranks(group)), dist.get_backend(group),
+                              timeout_s)
+
+
+def progress() -> None:
+    """This rank is moving (the trainer calls it at each step): a long silence counts as stuck
+    even where the wait is in a collective the project does not issue itself (DeepSpeed's)."""
+    _last_progress[0] = time.time()
 
 
 @contextmanager
@@ -82,14 +94,16 @@ def waiting_in(name: str, what: str, group) -> Iterator[None]:
     if known is None:  # a group made elsewhere (DeepSpeed's), or no torch.distributed
         yield
         return
-    ranks, backend, timeout_s = known
-    seq = _counts[ranks] = _counts.get(ranks, 0) + 1
+    group_name, ranks, backend, timeout_s = known
+    seq = _counts[group_name] = _counts.get(group_name, 0) + 1
     me = threading.get_ident()
-    _waiting[me] = Waiting(name, what, ranks, backend, seq, time.time(), timeout_s)
+    _waiting[me] = Waiting(name, what, group_name, ranks, backend, seq, time.time(), timeout_s)
+    _last_progress[0] = time.time()
     try:
         yield
     finally:
         del _waiting[me]
+        _last_progress[0] = time.time()
 
 
 def _stacks() -> list[dict[str, Any]]:
@@ -114,7 +128,8 @@ def snapshot(rank: int, reason: str) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return {"rank": rank, "world_size": world, "host": socket.gethostname(), "pid": os.getpid(),
             "time": now, "reason": reason, "waiting": waiting,
-            "begun": [{"group": list(g), "count": n} for g, n in list(_counts.items())],
+            "begun": [{"group_name": g, "count": n} for g, n in list(_counts.items())],
+            "silent_s": round(now - _last_progress[0], 1),
             "threads": _stacks()}
 
 
@@ -131,13 +146,21 @@ def _nccl_trace() -> bytes | None:
 def write_dump(folder: Path, rank: int, reason: str, nccl: bool = False) -> Path:
     """Write this rank's ``rank{R}.json`` (and its NCCL trace) under ``folder``; returns the json."""
     folder.mkdir(parents=True, exist_ok=True)
-    if nccl and (trace := _nccl_trace()) is not None:
-        (folder / f"rank{rank}.nccl_trace").write_bytes(trace)
+    if nccl and (trace := _nccl_trace()) is not None:  # named as torch's own dumps (fr_trace reads both)
+        (folder / f"nccl_trace_rank_{rank}").write_bytes(trace)
     path = folder / f"rank{rank}.json"
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(snapshot(rank, reason), indent=1))
     os.replace(partial, path)  # a reader never sees half a file
     return path
+
+
+def set_aside(folder: Path) -> None:
+    """Move an earlier run's dumps out of the way (``hang-<time>`` beside ``folder``), so that a
+    report reads this run's only."""
+    if folder.is_dir() and any(folder.iterdir()):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(folder.stat().st_mtime))
+        os.replace(folder, folder.with_name(f"{folder.name}-{stamp}"))
 
 
 def nccl_recorder_environment(folder: Path) -> dict[str, str]:
@@ -161,7 +184,10 @@ class HangWatch:
     def __init__(self, folder: Path, rank: int, exchange: Callable[[list[int]], list[int]], after: float,
                  nccl: bool = False, poll_s: float | None = None):
         self.folder, self.rank, self.exchange, self.after, self.nccl = folder, rank, exchange, after, nccl
-        shortest = min((t for _, _, t in _groups.values()), default=600.0)
+        shortest = min((t for _, _, _, t in _groups.values()), default=600.0)
+        # No progress for this long (and at least 2 minutes: model builds, loads and compiles are
+        # silent for a while): stuck somewhere unnoted, such as one of DeepSpeed's collectives.
+        self.silence_s = max(after * shortest, 120.0)
         self.poll_s = poll_s if poll_s is not None else min(max(after * shortest / 5, 0.5), 10.0)
         self.dumps = 0
         self._stopping = False
@@ -197,7 +223,7 @@ class HangWatch:
             self._thread.join(2 * self.poll_s + 1)
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             handler, fd = self._previous
-            signal.signal(DUMP_SIGNAL, handler)
+            signal.signal(DUMP_SIGNAL, handler if handler is not signal.SIG_DFL else signal.SIG_IGN)
             signal.set_wakeup_fd(fd)
             self._previous = None
         # The descriptors stay open: a signal arriving now still has somewhere to go.
@@ -207,9 +233,15 @@ class HangWatch:
         ready, _, _ = select.select([self._wakeup[0]], [], [], 0 if self._stopping else self.poll_s)
         return bool(ready) and DUMP_SIGNAL in os.read(self._wakeup[0], 512)
 
-    def _stuck(self) -> Waiting | None:
+    def _stuck(self) -> Waiting | str | None:
+        """The noted collective this rank has waited in too long; else "silent" when it has not
+        moved for ``silence_s`` outside any noted collective (a wait in DeepSpeed's); else None."""
         now = time.time()
-        return next((w for w in list(_waiting.values()) if now - w.since >= self.after * w.timeout_s), None)
+        waiting = list(_waiting.values())
+        found = next((w for w in waiting if now - w.since >= self.after * w.timeout_s), None)
+        if found is None and not waiting and now - _last_progress[0] >= self.silence_s:
+            return "silent"
+        return found
 
     def _loop(self) -> None:
         dumped_for: object = None
@@ -225,11 +257,16 @@ class HangWatch:
                 return  # a rank has exited: its collectives fail on their own
             if stopping:
                 return
-            episode = (stuck.group, stuck.seq) if stuck is not None else "elsewhere" if stuck_any else None
+            episode: object = stuck_any and "elsewhere"
+            if isinstance(stuck, Waiting):
+                episode = (stuck.group_name, stuck.seq)
+            elif stuck is not None:
+                episode = stuck
             if signalled_any:
                 self._dump(f"{DUMP_SIGNAL.name} received")
             elif stuck_any and episode != dumped_for:
-                self._dump(f"a rank waited in a collective for {self.after:.0%} of its timeout")
+                self._dump(f"a rank waited in a collective, or did not move, for {self.after:.0%} of "
+                           "its timeout")
             dumped_for = episode if stuck_any else None
 
     def _dump(self, reason: str) -> None:

@@ -23,7 +23,7 @@ def read_dumps(folder: Path) -> dict[int, dict[str, Any]]:
         try:
             dump = json.loads(path.read_text())
             out[int(dump["rank"])] = dump
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):  # torn or foreign: listed as unread
             continue
     return out
 
@@ -59,7 +59,7 @@ def _short(path: str) -> str:
 
 
 def _collective_text(w: dict[str, Any]) -> str:
-    return (f"{w['name']} '{w['what']}' (#{w['seq']} on the {w['backend']} group of "
+    return (f"{w['name']} '{w['what']}' (#{w['seq']} on the {w['group_name']} group, {w['backend']}, "
             f"{_ranks_text(w['group'])})")
 
 
@@ -69,13 +69,13 @@ def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -
         return ["hang: no rank wrote where it was"]
     world = max(world_size or 0, max(d.get("world_size", 1) for d in dumps.values()), max(dumps) + 1)
     # The collectives ranks wait in, by (group, number): the longest-waited first.
-    sites: dict[tuple[tuple[int, ...], int], list[tuple[int, dict[str, Any]]]] = {}
+    sites: dict[tuple[str, tuple[int, ...], int], list[tuple[int, dict[str, Any]]]] = {}
     for rank, dump in dumps.items():
         for w in dump.get("waiting", []):
-            sites.setdefault((tuple(w["group"]), w["seq"]), []).append((rank, w))
+            sites.setdefault((w["group_name"], tuple(w["group"]), w["seq"]), []).append((rank, w))
     lines = []
     if sites:
-        (group, seq), present = max(sites.items(), key=lambda kv: (max(w["waited_s"] for _, w in kv[1]),
+        (name, group, seq), present = max(sites.items(), key=lambda kv: (max(w["waited_s"] for _, w in kv[1]),
                                                                    len(kv[1])))
         waiting = sorted(r for r, _ in present)
         first = present[0][1]
@@ -83,12 +83,15 @@ def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -
         verdict = (f"hang: {_ranks_text(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
                    f"{_collective_text(first)} for {max(w['waited_s'] for _, w in present):.0f} s")
         if missing:
-            verdict += f"; missing: {', '.join(_missing_text(r, group, seq, dumps) for r in missing)}"
+            verdict += f"; missing: {', '.join(_missing_text(r, name, seq, dumps) for r in missing)}"
         else:
             verdict += "; every rank of its group is in it (the transfer itself is stuck)"
         lines.append(verdict)
     else:
         lines.append("hang: no rank is in a collective of the project (see each rank's stack)")
+    silent = [r for r in range(world) if r not in dumps]
+    if silent:
+        lines[0] += f"; no word from {_ranks_text(silent)} (exited, frozen, or its logging.dir is not shared)"
     for rank in range(world):
         dump = dumps.get(rank)
         if dump is None:
@@ -100,11 +103,11 @@ def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -
     return lines
 
 
-def _missing_text(rank: int, group: tuple[int, ...], seq: int, dumps: dict[int, dict[str, Any]]) -> str:
+def _missing_text(rank: int, name: str, seq: int, dumps: dict[int, dict[str, Any]]) -> str:
     dump = dumps.get(rank)
     if dump is None:
         return f"rank {rank} (wrote nothing)"
-    begun = next((b["count"] for b in dump.get("begun", []) if tuple(b["group"]) == group), 0)
+    begun = next((b["count"] for b in dump.get("begun", []) if b["group_name"] == name), 0)
     inside = dump.get("waiting", [])
     if inside:
         return f"rank {rank} (in {_collective_text(inside[0])} instead)"

@@ -183,7 +183,9 @@ class ParallelDims:
                     self.groups["embedding"] = group
         for name, group in self.groups.items():  # hang.py's record names each group's ranks
             limit = setup_timeout if name == "setup" and setup_timeout else timeout
-            hang.register_group(group, limit.total_seconds())
+            if name == "watch":
+                limit = min(timeout, timedelta(minutes=1))
+            hang.register_group(group, name, limit.total_seconds())
 
     def create_control_groups(self, timeout: timedelta, setup_timeout: timedelta | None = None) -> None:
         """Collective: the gloo groups of host control, first (once), so that ranks can agree
@@ -202,7 +204,9 @@ class ParallelDims:
         # ignores a per-call timeout), so the long wait needs a group of its own.
         self.groups["setup"] = dist.new_group(timeout=setup_timeout or timeout, backend="gloo")
         # The hang watchers' exchange (distributed/hang.py), from a thread of their own.
-        self.groups["watch"] = dist.new_group(timeout=timeout, backend="gloo")
+        # Its timeout is short: a rank whose watcher stops answering (a frozen process) is
+        # reported well before the collectives' own timeout.
+        self.groups["watch"] = dist.new_group(timeout=min(timeout, timedelta(minutes=1)), backend="gloo")
 
     def group(self, name: str):
         """The process group of this rank along ``name``; None only where torch.distributed was

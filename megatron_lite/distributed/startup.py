@@ -37,8 +37,12 @@ def init_distributed(cfg: Config, env: LaunchEnv):
     env.export()
     if acc.device_name() != "cpu":
         acc.set_device(env.local_rank)
-    if acc.device_name() == "cuda":  # before NCCL's groups exist: they read it when made
-        os.environ.update(hang.nccl_recorder_environment(Path(cfg.logging.dir) / "hang"))
+    if acc.device_name() == "cuda" and cfg.distributed.hang_dump_after > 0:
+        # Before NCCL's groups exist (they read it when made); torch writes into the folder
+        # without making it.
+        folder = Path(cfg.logging.dir) / "hang"
+        os.environ.update(hang.nccl_recorder_environment(folder))
+        folder.mkdir(parents=True, exist_ok=True)
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
     # DeepSpeed's own groups (pipeline, ZeRO) are made without a timeout: make ours the default.
     collectives.set_default_timeout(timeout)

@@ -53,6 +53,9 @@ def stop_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:
             signal.signal(sig, stop)
+        # SIGUSR2 asks for a hang report (distributed/hang.py): never a reason to die, before
+        # the watcher takes it or without one.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 @dataclass

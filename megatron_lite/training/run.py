@@ -17,7 +17,7 @@ from megatron_lite.data.source import build_data
 from megatron_lite.data.tokenizers import vocab_size_offline
 from megatron_lite.distributed import detect, init_distributed
 from megatron_lite.distributed.collectives import on_every_rank, on_one_rank_then_all, watch_exchange
-from megatron_lite.distributed.hang import HangWatch
+from megatron_lite.distributed.hang import HangWatch, set_aside
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.startup import abandon_distributed, shutdown_distributed
 from megatron_lite.engine.config import deepspeed_config
@@ -95,6 +95,11 @@ def run(cfg: Config, env: LaunchEnv | None = None,
     dims, acc = init_distributed(cfg, env or detect())
     watch = None
     if cfg.distributed.hang_dump_after > 0 and dims.group("watch") is not None:
+        if dims.rank == 0:  # before any watcher runs
+            try:
+                set_aside(Path(cfg.logging.dir) / "hang")
+            except OSError as e:
+                emit_line(f"warning: could not move the earlier hang reports aside: {e}")
         group = dims.group("watch")
         watch = HangWatch(Path(cfg.logging.dir) / "hang", dims.rank,
                           lambda flags: watch_exchange(flags, group), cfg.distributed.hang_dump_after,

@@ -24,6 +24,7 @@ from megatron_lite.data.gpt_dataset import GlobalBatchSampler, past_skipped
 from megatron_lite.data.phases import DataPhaseError, PhaseDataset, first_phase, phases_at_resume
 from megatron_lite.data.source import DataSource
 from megatron_lite.distributed import device as devmod
+from megatron_lite.distributed import hang
 from megatron_lite.distributed.collectives import mean_over_ranks, on_every_rank, on_one_rank_then_all
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.logging import MetricsLogger, console_line
@@ -321,6 +322,7 @@ class Trainer:
 
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step; returns the summed micro-batch losses as a device tensor."""
+        hang.progress()  # a step begun: this rank moves (distributed/hang.py)
         return self.step_runner.train_step(batches, self.device)
 
     def rollback(self, spike: StepContext) -> bool:

@@ -90,9 +90,11 @@ def test_one_process_takes_every_collective_path_of_two(tmp_path):
         for rep in reports:
             assert rep["world_timeout_s"] == 180.0
             # Every group but the one ranks wait in while the dataset is built (its own timeout,
-            # distributed.setup_timeout_minutes: 60 by default).
+            # distributed.setup_timeout_minutes: 60 by default) and the hang watchers' (a minute at
+            # most: a watcher that stops answering is reported early).
             timeouts = sorted(g["timeout_s"] for g in rep["groups"])
-            assert timeouts[-1] == 3600.0 and set(timeouts[:-1]) == {180.0}, rep["groups"]
+            assert timeouts[0] == 60.0 and timeouts[-1] == 3600.0, rep["groups"]
+            assert set(timeouts[1:-1]) == {180.0}, rep["groups"]
             assert {c["role"] for c in rep["calls"]} <= {HOST_ROLE, DEVICE_ROLE}
     sites = {site for _, _, site in paths[2]}
     for expected in ("training/run.py:_run_on_groups", "training/step_report.py:start",
@@ -196,7 +198,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout_and_says_where_each_rank_w
     assert report.returncode == 0, report.stderr
     verdict = report.stdout.splitlines()[0]
     assert verdict.startswith("hang: rank 0 waits in all_reduce 'the logged loss' (#"), report.stdout
-    assert "on the gloo group of ranks 0, 1) for " in verdict, report.stdout
+    assert "on the control group, gloo, ranks 0, 1) for " in verdict, report.stdout
     # Rank 1 is named with where its main thread is: the fault's sleep, called from the loop.
     assert "; missing: rank 1 (has begun " in verdict, report.stdout
     assert "in stalled_record (called from _train)" in verdict, report.stdout

@@ -244,7 +244,7 @@ def _chain_job(tmp_path, status: int, finish: bool, **env: str):
                          + (f"echo '{{}}' > {run_dir}/finished.json; " if finish else "") + f"exit {status}")
     base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
     out = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), "recipes/gpt2-124m.yaml",
-                          f"logging.dir={run_dir}", "training.eval_iters=5"], cwd=REPO,
+                          f"logging.dir={run_dir}", f"checkpoint.dir={tmp_path / 'ck'}"], cwd=REPO,
                          env={**base, "PATH": path, "MPI_FLAVOR": "pals", "PBS_JOBID": "100.polaris",
                               "CHAIN": "3", "NGPUS_PER_NODE": "2",
                               "PBS_NODEFILE": _nodefile(tmp_path, ["x3001c0s1b0n0"]), **env},
@@ -270,7 +270,7 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     assert passed["MPI_FLAVOR"] == "pals" and "CPU_BIND" not in passed  # only what the job was given
     # The overrides as given (the walltime's exit_duration_mins is each job's own).
     assert Path(passed["OVERRIDES_FILE"]).read_text().splitlines() == [
-        f"logging.dir={tmp_path / 'run'}", "training.eval_iters=5"]
+        f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
     assert "chain: submitted 201.polaris" in out.stdout
 
     # The run finished in this job: the successor is cancelled.
@@ -282,6 +282,11 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     out, qsub, qdel, ran = _chain_job(tmp_path, 1, finish=False)
     assert out.returncode == 1 and qdel == ["201.polaris"], out.stdout[-2000:]
     assert "chain: the run failed (exit status 1" in out.stdout
+    # Without checkpoints every job would start over: refused before anything is queued.
+    bad = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), "--dry-run", "recipes/gpt2-124m.yaml",
+                          "checkpoint.dir=null"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**_launch_env(), "CHAIN": "2"})
+    assert bad.returncode == 2 and "CHAIN=2 with checkpoint.dir=null" in bad.stderr, bad.stderr
     # A successor that starts after the run finished trains nothing and queues nothing.
     (tmp_path / "run" / "finished.json").write_text("{}\n")
     out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False, CHAIN_OF="100.polaris", CHAIN="2")
