@@ -294,6 +294,33 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     assert "is finished" in out.stdout
 
 
+def test_qdel_of_a_chained_job_cancels_its_successor(tmp_path):
+    """qdel sends SIGTERM: the run saves and exits 0 (here: a fake mpiexec that does so), and the
+    job cancels the successor it queued instead of letting the chain go on."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    _fake_command(tmp_path, "qstat", "echo '    queue = prod'")
+    _fake_command(tmp_path, "qsub", "echo 201.polaris")
+    _fake_command(tmp_path, "qdel", f'printf "%s\\0" "$@" > {seen}/qdel')
+    path = _fake_command(tmp_path, "mpiexec", "trap 'exit 0' TERM\nfor _ in $(seq 600); do sleep 0.1; done")
+    base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
+    args = ["recipes/gpt2-124m.yaml", f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path / 'run'}"]
+    env = {**base, "PATH": path, "MPI_FLAVOR": "pals", "PBS_JOBID": "100.polaris", "CHAIN": "3",
+           "WALLTIME": ""}
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "polaris.sh"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("chain: submitted 201.polaris"):
+            time.sleep(1)  # mpiexec has started
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert (seen / "qdel").read_text().split("\0")[:-1] == ["201.polaris"]
+    assert "chain: the job was sent SIGTERM (qdel): cancelled 201.polaris" in out
+
+
 def test_polaris_sends_sigusr2_to_a_run_still_there_after_its_walltime_signal(tmp_path):
     """A run that ignores SIGUSR1 (stuck) gets SIGUSR2 HANG_GRACE_MIN later: its ranks write
     where they are (tests/distributed/test_harness.py shows what they write)."""
