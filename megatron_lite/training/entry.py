@@ -125,7 +125,8 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except (TopologyError, InitFromError, DeviceError) as e:  # the same on every rank
         return 2, str(e), False
     except CollectiveError as e:
-        return 1, _with_hang_verdict(str(e), cfg, began), True
+        rank = (env or detect()).rank
+        return 1, _with_hang_verdict(str(e), cfg, began) if rank == 0 else str(e), True
     except (ValueError, CheckpointError, SpikeStop, StaleBuildLock) as e:
         return 1, str(e), True
     except OSError as e:  # the environment (a path, a permission, a full disk): no traceback
@@ -141,15 +142,19 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
         traceback.print_exc()
         if isinstance(e, dist.DistError) or "timed out" in reason.lower():
             # A collective inside DeepSpeed or a layer: another rank stopped, hung or diverged.
-            reason = _with_hang_verdict(f"a collective failed (distributed.timeout_minutes="
-                                        f"{cfg.distributed.timeout_minutes}): {reason}", cfg, began)
+            reason = (f"a collective failed (distributed.timeout_minutes="
+                      f"{cfg.distributed.timeout_minutes}): {reason}")
+            if rank == 0:
+                reason = _with_hang_verdict(reason, cfg, began)
         return 1, f"rank {rank}: {reason}", True
     return 0, None, True
 
 
 def _with_hang_verdict(reason: str, cfg: Config, since: float) -> str:
     """``reason`` followed by the hang report's verdict when the ranks wrote where they were
-    during this run (distributed/hang.py), on the same line."""
+    during this run (distributed/hang.py), on the same line. The first rank alone reads the
+    ranks' files: on thousands of ranks, every rank reading every file would flood the shared
+    file system at the moment the job fails."""
     from pathlib import Path
 
     from megatron_lite.distributed.hang_report import verdict
