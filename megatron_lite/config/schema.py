@@ -400,7 +400,8 @@ class TrainingConfig:
     sample_prompt: str = "\n"
     """Prompt of the text sample generated at each evaluation (empty disables sampling)."""
     sample_tokens: int = 200
-    """Tokens generated for the sample."""
+    """Tokens generated for the sample (through a KV cache; past the model's context the window
+    starts again from its last three quarters)."""
     sample_temperature: float = 0.8
     """Sampling temperature (0 is greedy)."""
     sample_top_k: int = 200

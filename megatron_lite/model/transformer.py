@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model.document_attention import document_attention
 from megatron_lite.model.fused import fuse_gate_up, fuse_qkv
+from megatron_lite.model.kv_cache import KVCache, LayerCache, causal_mask
 from megatron_lite.model.loss import IGNORED, linear_cross_entropy
 
 VOCAB_PARAMETERS = ("tok_emb.weight", "lm_head.weight")
@@ -174,22 +175,30 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """``documents``: (B, T) the document of each token, or None (one causal sequence)."""
+                documents: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """``documents``: (B, T) the document of each token, or None (one causal sequence).
+        ``cache``: the keys and values of earlier positions (sampling); these T come after them."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         T = q.size(2)
+        start = cache.length if cache is not None else 0
         if rope is not None:
             if documents is None:
-                cos, sin = rope[0][:T], rope[1][:T]  # (T, hd)
+                cos, sin = rope[0][start:start + T], rope[1][start:start + T]  # (T, hd)
             else:
                 positions = document_positions(documents)
                 cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)  # (B, 1, T, hd)
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
+        gqa = k.size(1) != q.size(1)
         if documents is not None:
             y = document_attention(q, k, v, documents, dropout, self.sdpa)  # (B, H, T, hd)
+        elif start:
+            k, v = cache.extend(k, v)  # (B, Hkv, start+T, hd)
+            y = self.sdpa(q, k, v, attn_mask=causal_mask(T, k.size(2), q.device), enable_gqa=gqa)
         else:
-            y = self.sdpa(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=k.size(1) != q.size(1))
+            if cache is not None:
+                cache.extend(k, v)
+            y = self.sdpa(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         return y.transpose(1, 2)  # (B, T, H, hd)
 
 
@@ -210,7 +219,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts are read off the projection: tensor parallelism gives each rank some groups.
         qkv = self.qkv_proj(x).view(B, T, -1, self.group + 2, self.head_dim)  # (B, T, Hkv, g+2, hd)
@@ -219,7 +228,8 @@ class Attention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)  # (B, T, Hkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = self.core(q, k, v, rope, documents)  # (B, T, H, hd)
+        # (The sequence-parallel wrappers of ``core`` take no cache: nothing samples under them.)
+        y = self.core(q, k, v, rope, documents, *([cache] if cache is not None else []))  # (B, T, H, hd)
         return self.o_proj(y.reshape(B, T, -1))  # (B, T, D)
 
 
@@ -254,8 +264,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, documents))
+                documents: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, documents, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -344,11 +354,12 @@ class Transformer(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids ``x`` (B, T) -> logits (B, T, V), or the mean loss with targets.
         ``documents`` (B, T): the document of each token (``document_ids``) when attention stays
         within documents; under sequence parallelism those of the whole sequence, of which ``x``
-        is this rank's part.
+        is this rank's part. ``cache``: ``x`` follows the positions it holds (sampling; not with
+        ``documents``), and it keeps theirs too.
 
         A pipeline stage is this model with some parts removed (``parallel/stages.py``), and
         runs the parts it has: after the first stage ``x`` is the hidden states (B, T, D) of the
@@ -356,7 +367,8 @@ class Transformer(nn.Module):
         (its output layer is the pipeline's loss)."""
         if self.tok_emb is not None:
             if documents is None:
-                positions = torch.arange(x.size(1), device=x.device)  # (T,)
+                start = cache.start_of(x.size(1)) if cache is not None else 0
+                positions = torch.arange(start, start + x.size(1), device=x.device)  # (T,)
             else:
                 positions = document_positions(documents)  # (B, T) of the whole sequence
             x = self.tok_emb(x)  # (B, T, D)
@@ -365,7 +377,7 @@ class Transformer(nn.Module):
             x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
         recompute = self.activation_checkpointing if self.training else "none"
-        for block in self.blocks.values():
+        for name, block in self.blocks.items():
             if recompute == "full":
                 x = checkpoint(block, x, rope, documents, use_reentrant=False)
             elif recompute == "selective":
@@ -375,7 +387,9 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, rope, documents, use_reentrant=False,
                                context_fn=functools.partial(keep_outputs_of, self.kept_ops))
             else:
-                x = block(x, rope, documents)
+                x = block(x, rope, documents, cache.layer(name) if cache is not None else None)
+        if cache is not None:
+            cache.length += x.size(1)
         if self.norm is None:
             return x  # (B, T, D) for the next pipeline stage
         x = self.norm(x)  # (B, T, D)

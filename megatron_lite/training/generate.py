@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.model.kv_cache import KVCache
+
 
 def _raise(error: BaseException | None) -> None:
     if error is not None:
@@ -31,12 +33,16 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: in
            temperature: float, top_k: int, seed: int, device: torch.device,
            agree: Callable[[BaseException | None], None] = _raise, fixed_shape: bool = False,
            after_token: Callable[[], None] = lambda: None) -> list[int]:
-    """Autoregressive sampling (no KV cache: samples are short and this runs rarely).
+    """Autoregressive sampling from ``model`` (a ``Transformer``) with a KV cache: each new token
+    is one position through the model. Once the window of ``max_len`` positions is full, the
+    model starts again from the last three quarters of it (``restart_length``): every token is
+    drawn from at least that much context, and the learned positions of GPT-2-style models
+    stay within those they were trained on.
 
-    ``fixed_shape``: every forward sees ``max_len`` positions, the tokens so far padded on the
-    right (causal attention never lets a position see the padding after it), for devices that
-    compile a graph per input shape (``device.compiles_per_shape``); ``after_token`` runs after
-    each token (Gaudi's lazy-mode graph cut).
+    ``fixed_shape``: no cache; every forward sees ``max_len`` positions, the window padded on
+    the right (causal attention never lets a position see the padding after it), for devices
+    that compile a graph per input shape (``device.compiles_per_shape``); ``after_token`` runs
+    after each token (Gaudi's lazy-mode graph cut).
 
     Every rank calls this with the same seed so that sharded (ZeRO-3) and tensor-parallel
     parameters can be gathered. ``agree`` gets each token's error or None and raises on every
@@ -47,13 +53,19 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: in
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+    begin = max(0, len(prompt) - max_len)  # where the window starts in ``tokens``
+    cache = KVCache(max_len)
     for _ in range(max_new_tokens):
         try:
-            window = tokens[:, -max_len:]  # (1, n)
-            last = window.size(1) - 1
+            if tokens.size(1) - begin > max_len:  # the window is full: start again from its end
+                begin, cache = tokens.size(1) - restart_length(max_len), KVCache(max_len)
+            window = tokens[:, begin:]  # (1, n)
             if fixed_shape:
-                window = F.pad(window, (0, max_len - window.size(1)))  # (1, max_len)
-            logits = model(window)[:, last, :].float().cpu()  # (1, V)
+                padded = F.pad(window, (0, max_len - window.size(1)))  # (1, max_len)
+                logits = model(padded)[:, window.size(1) - 1, :]  # (1, V)
+            else:
+                logits = model(window[:, cache.length:], cache=cache)[:, -1, :]  # (1, V)
+            logits = logits.float().cpu()
             after_token()
             nxt, error = pick(logits, temperature, top_k, gen), None
         except Exception as e:  # re-raised by agree, on every rank
@@ -61,3 +73,9 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: in
         agree(error)
         tokens = torch.cat([tokens, nxt.to(device)], dim=1)
     return tokens[0, len(prompt):].tolist()
+
+
+def restart_length(max_len: int) -> int:
+    """Positions the cache starts again from when the window is full: three quarters of it (a
+    forward of that many positions every quarter window of tokens)."""
+    return max(1, max_len - max_len // 4)

@@ -59,14 +59,18 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     if fused is not None and dims.tensor == 1 and max_norm > 0 and math.isfinite(max_norm):
         return fused([p for p in params if p.grad is not None], max_norm)
     grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or spec(p).sharded)]
-    # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor).
-    norm = torch.nn.utils.get_total_norm(grads).float() if grads else torch.zeros((), device=params[0].device)
+    # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor). torch
+    # leaves them off for CPU tensors by default; its C++ loop there still beats one Python call
+    # per tensor (docs/benchmarks.md).
+    foreach = True if params[0].device.type == "cpu" else None
+    norm = torch.nn.utils.get_total_norm(grads, foreach=foreach).float() if grads \
+        else torch.zeros((), device=params[0].device)
     if dims.tensor > 1:
         square = norm.square()
         collectives.all_reduce(square, dims.group("tensor"))
         norm = square.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
     return norm
 
 
