@@ -40,7 +40,7 @@
 #   CHECKPOINT_MARGIN_MIN  minutes before walltime at which the run saves and exits (default 10)
 #   HANG_GRACE_MIN         a run still going this long after that signal is stuck: SIGUSR2 (each
 #                          rank writes where it is, tools/hang_report.py), then SIGTERM (default:
-#                          half the margin)
+#                          half the margin; must be under it)
 #   CHAIN                  N: queue the next job as this one starts (qsub -W depend=afterany, the
 #                          same resources and settings, CHAIN=N-1); a finished or failed run
 #                          cancels it (docs/launch.md)

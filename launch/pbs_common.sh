@@ -119,6 +119,10 @@ pbs_walltime() {  # sets SIGNAL_AFTER_S (empty: unknown) and HANG_GRACE_S
     [[ "$margin_min" =~ ^[0-9]+$ ]] || { echo "error: CHECKPOINT_MARGIN_MIN=$margin_min: give whole minutes" >&2; exit 2; }
     local grace="${HANG_GRACE_MIN:-$((margin_min / 2 > 0 ? margin_min / 2 : 1))}"
     [[ "$grace" =~ ^[0-9]*\.?[0-9]+$ ]] || { echo "error: HANG_GRACE_MIN=$grace: give minutes (a number)" >&2; exit 2; }
+    if [[ -n "${HANG_GRACE_MIN:-}" ]] && awk -v g="$grace" -v m="$margin_min" 'BEGIN {exit !(g >= m)}'; then
+        echo "error: HANG_GRACE_MIN=$grace must be under CHECKPOINT_MARGIN_MIN=$margin_min: the hang report would come after the walltime" >&2
+        exit 2
+    fi
     HANG_GRACE_S=$(awk -v m="$grace" 'BEGIN {printf "%d", m * 60 + 0.5}')
     left_s=$(_seconds "${WALLTIME:-}")
     if [[ -z "${WALLTIME:-}" && -n "${PBS_JOBID:-}" ]] && command -v qstat > /dev/null; then
@@ -176,8 +180,9 @@ pbs_mpi_flavor() {  # sets FLAVOR (pals: Cray's mpiexec; hydra: MPICH's) and MPI
 # same script, resources and settings, CHAIN=N-1), so the next allocation is queued while this
 # one trains. At the end: a run that is finished (logging.dir/finished.json, written by the
 # trainer) or that failed (any exit status but 0, the status of a run that saved and stopped
-# for walltime) cancels the successor; the chain ends. A successor that finds the run finished
-# exits at once.
+# for walltime) cancels the successor; the chain ends, and its overrides files
+# (.chain/CHAIN_OF.JOB.overrides) go with it. A successor that finds the run finished exits at
+# once.
 _qstat_field() { awk -v key="$1" '$1 == key {sub(/^[^=]*= /, ""); print; exit}' <<< "$2"; }
 
 pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
@@ -185,6 +190,7 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     local chain="${CHAIN:-0}"
     if [[ -n "${CHAIN_OF:-}" && -n "$RUN_DIR" && -f "$RUN_DIR/finished.json" ]]; then
         echo "chain: the run in $RUN_DIR is finished ($RUN_DIR/finished.json): nothing to do"
+        _chain_files_removed
         exit 0
     fi
     ((chain > 0)) || return 0
@@ -204,7 +210,7 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     done
     # The overrides travel in a file: qsub -v splits its list at commas.
     mkdir -p "$PWD/.chain"
-    overrides_file="$PWD/.chain/${PBS_JOBID}.overrides"
+    overrides_file="$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}.${PBS_JOBID}.overrides"
     printf '%s\n' ${GIVEN_OVERRIDES[@]+"${GIVEN_OVERRIDES[@]}"} > "$overrides_file"
     vars="RECIPE=$RECIPE,OVERRIDES_FILE=$overrides_file,CHAIN=$((chain - 1)),CHAIN_OF=${CHAIN_OF:-$PBS_JOBID}$CHAIN_VARS"
     NEXT_JOB=$(qsub "${resources[@]}" -W "depend=afterany:$PBS_JOBID" -v "$vars" "$PWD/launch/$SCRIPT") || {
@@ -212,8 +218,16 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     echo "chain: submitted $NEXT_JOB (after this job, CHAIN=$((chain - 1)))"
 }
 
+_chain_files_removed() {  # the chain ends: its overrides files are read by no further job
+    [[ -n "${CHAIN_OF:-}${NEXT_JOB:-}" && -n "${PBS_JOBID:-}" ]] || return 0
+    rm -f "$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}".*.overrides
+}
+
 pbs_chain_end() {  # $1: the run's exit status
-    [[ -n "$NEXT_JOB" ]] || return 0
+    if [[ -z "$NEXT_JOB" ]]; then  # the chain's last job (or its successor could not be queued)
+        _chain_files_removed
+        return 0
+    fi
     local why=""
     if [[ -n "$RUN_DIR" && -f "$RUN_DIR/finished.json" ]]; then
         why="the run is finished ($RUN_DIR/finished.json)"
@@ -225,6 +239,7 @@ pbs_chain_end() {  # $1: the run's exit status
     if [[ -n "$why" ]]; then
         qdel "$NEXT_JOB" || echo "chain: qdel $NEXT_JOB failed: cancel it by hand" >&2
         echo "chain: $why: cancelled $NEXT_JOB; the chain ends"
+        _chain_files_removed
     fi
 }
 

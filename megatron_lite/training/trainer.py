@@ -272,7 +272,9 @@ class Trainer:
                 started = time.perf_counter()
                 self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)
                 self.interval.add("checkpoint", time.perf_counter() - started)
-            if decision.stop is not None:
+            if decision.stop is not None and last:  # nothing left to stop: the run is complete
+                self.log(f"{decision.stop} at the last step: the run is complete")
+            elif decision.stop is not None:
                 self.log(f"stopping at step {st.step}: {decision.stop}")
                 self.logger.event(st.step, "stop", decision.stop)
                 result.stopped = decision.stop

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,6 +63,15 @@ def test_time_limit_saves_and_exits_zero(tmp_path):
     assert len(stopped) == 1 and int(stopped[0]) <= 3, proc.stdout[-2000:]
     assert (tmp_path / "ck/latest").read_text().strip() == f"step_{int(stopped[0]):08d}"
     assert any(r.get("event") == "stop" for r in read_metrics(tmp_path / "run"))
+    assert not (tmp_path / "run/finished.json").exists()  # a chained job's successor trains on
+
+    # The limit found reached at the last step (the launcher started an hour ago): the run is
+    # complete, and says so to a chained job, which would otherwise queue an empty successor.
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=1", "training.exit_duration_mins=0.001"),
+                               f"checkpoint.dir={tmp_path}/ck2", f"logging.dir={tmp_path}/run2"],
+                              env={"LAUNCH_START_EPOCH": str(time.time() - 3600)}))
+    assert "at the last step: the run is complete" in proc.stdout, proc.stdout[-2000:]
+    assert json.loads((tmp_path / "run2/finished.json").read_text())["steps"] == 1
 
 
 SMALL_FS = 14 * 2**20

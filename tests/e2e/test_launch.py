@@ -269,7 +269,9 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     assert passed["CHAIN_OF"] == "100.polaris" and passed["NGPUS_PER_NODE"] == "2"
     assert passed["MPI_FLAVOR"] == "pals" and "CPU_BIND" not in passed  # only what the job was given
     # The overrides as given (the walltime's exit_duration_mins is each job's own).
-    assert Path(passed["OVERRIDES_FILE"]).read_text().splitlines() == [
+    overrides = Path(passed["OVERRIDES_FILE"])
+    assert overrides.name == "100.polaris.100.polaris.overrides"  # the chain's, then the job's id
+    assert overrides.read_text().splitlines() == [
         f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
     assert "chain: submitted 201.polaris" in out.stdout
 
@@ -277,6 +279,7 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=True)
     assert out.returncode == 0 and qsub is not None and qdel == ["201.polaris"], out.stdout[-2000:]
     assert "chain: the run is finished" in out.stdout
+    assert not overrides.exists()  # the chain ended: no job reads its overrides any more
     # A failure that is not a walltime stop: the successor is cancelled, the status kept.
     (tmp_path / "run" / "finished.json").unlink()
     out, qsub, qdel, ran = _chain_job(tmp_path, 1, finish=False)
@@ -337,6 +340,10 @@ def test_polaris_sends_sigusr2_to_a_run_still_there_after_its_walltime_signal(tm
     assert out.returncode == 7, out.stdout[-2000:] + out.stderr[-2000:]
     assert (seen / "signals").read_text().split() == ["USR1", "USR2"]
     assert "still running 3 s after SIGUSR1: stuck; SIGUSR2" in out.stderr
+    # A grace at or past the margin would report the hang after PBS has ended the job: refused.
+    late = _launch("polaris.sh", "--dry-run", "recipes/gpt2-124m.yaml", CHECKPOINT_MARGIN_MIN="4",
+                   HANG_GRACE_MIN="4")
+    assert late.returncode == 2 and "HANG_GRACE_MIN=4 must be under CHECKPOINT_MARGIN_MIN=4" in late.stderr
 
 
 @pytest.mark.parametrize("mode, lazy", [("lazy", "1"), ("eager", "0"), ("compile", "0")])
