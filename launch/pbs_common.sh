@@ -9,6 +9,16 @@
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the script's header, as text (a sourced
     sed -n '/^# Train on/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0  # file sees its "$@")
 fi
+# A chained successor job starts with its predecessor's settings (written by pbs_chain_start).
+if [[ -n "${CHAIN_ENV:-}" ]]; then
+    [[ -f "$CHAIN_ENV" ]] || { echo "error: CHAIN_ENV=$CHAIN_ENV does not exist: the chain's settings are lost; submit the job again with its settings" >&2; exit 2; }
+    source "$CHAIN_ENV"
+fi
+# What a successor gets: the script's settings and the communication libraries' own (NCCL_*,
+# FI_*, CCL_*), as this job was given them, before any default is filled or module loaded. They
+# travel in a file: qsub -v splits its list at commas (CUDA_VISIBLE_DEVICES=0,1,2,3).
+CHAIN_GIVEN=$(for _name in ${CHAIN_SETTINGS:-} $(compgen -e | grep -E '^(NCCL|FI|CCL)_' || true); do
+    if [[ -n "${!_name+set}" ]]; then printf 'export %s=%q\n' "$_name" "${!_name}"; fi; done | sort -u)
 ENV_AT_START=$(env | sort)  # what the script adds or changes is printed before the launch
 # The walltime left is read from PBS at the start: exit_duration_mins counts from this moment, so
 # that the recipe check, imports and model build before training are counted too.
@@ -58,17 +68,6 @@ sys.stdout.write("".join(w + "\0" for w in words))' "$OVERRIDES")
     fi
     GIVEN_OVERRIDES=(${OVERRIDES_ARR[@]+"${OVERRIDES_ARR[@]}"})  # what a chained successor gets
     [[ "${CHAIN:-0}" =~ ^[0-9]+$ ]] || { echo "error: CHAIN=$CHAIN: give the number of jobs to queue after this one (0 or more)" >&2; exit 2; }
-    # The settings a successor gets: as this job was given them, before any default is filled.
-    CHAIN_VARS=""
-    local name
-    for name in ${CHAIN_SETTINGS:-}; do
-        [[ -n "${!name+set}" ]] || continue
-        if [[ "${!name}" == *,* && "${CHAIN:-0}" != 0 ]]; then
-            echo "error: $name=${!name} holds a comma: a chained job cannot pass it on (qsub -v splits at commas)" >&2
-            exit 2
-        fi
-        CHAIN_VARS+=",$name=${!name}"
-    done
 }
 
 # ---------------------------------------------------------------- nodes and ranks
@@ -180,9 +179,9 @@ pbs_mpi_flavor() {  # sets FLAVOR (pals: Cray's mpiexec; hydra: MPICH's) and MPI
 # same script, resources and settings, CHAIN=N-1), so the next allocation is queued while this
 # one trains. At the end: a run that is finished (logging.dir/finished.json, written by the
 # trainer) or that failed (any exit status but 0, the status of a run that saved and stopped
-# for walltime) cancels the successor; the chain ends, and its overrides files
-# (.chain/CHAIN_OF.JOB.overrides) go with it. A successor that finds the run finished exits at
-# once.
+# for walltime) cancels the successor; the chain ends, and its files (.chain/CHAIN_OF.JOB.overrides
+# and .env: the overrides, recipe and settings) go with it. A successor that finds the run
+# finished exits at once.
 _qstat_field() { awk -v key="$1" '$1 == key {sub(/^[^=]*= /, ""); print; exit}' <<< "$2"; }
 
 pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
@@ -208,19 +207,22 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     for item in "select=$select_" "walltime=$walltime" "filesystems=$filesystems" "place=$place"; do
         [[ "$item" == *= ]] || resources+=(-l "$item")
     done
-    # The overrides travel in a file: qsub -v splits its list at commas.
+    # The recipe, overrides and settings travel in files: qsub -v splits its list at commas.
     mkdir -p "$PWD/.chain"
-    overrides_file="$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}.${PBS_JOBID}.overrides"
+    local files="$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}.${PBS_JOBID}"
+    overrides_file="$files.overrides"
     printf '%s\n' ${GIVEN_OVERRIDES[@]+"${GIVEN_OVERRIDES[@]}"} > "$overrides_file"
-    vars="RECIPE=$RECIPE,OVERRIDES_FILE=$overrides_file,CHAIN=$((chain - 1)),CHAIN_OF=${CHAIN_OF:-$PBS_JOBID}$CHAIN_VARS"
+    { [[ -z "$CHAIN_GIVEN" ]] || printf '%s\n' "$CHAIN_GIVEN"
+      printf 'export RECIPE=%q OVERRIDES_FILE=%q\n' "$RECIPE" "$overrides_file"; } > "$files.env"
+    vars="CHAIN_ENV=$files.env,CHAIN=$((chain - 1)),CHAIN_OF=${CHAIN_OF:-$PBS_JOBID}"
     NEXT_JOB=$(qsub "${resources[@]}" -W "depend=afterany:$PBS_JOBID" -v "$vars" "$PWD/launch/$SCRIPT") || {
         echo "error: CHAIN=$chain: qsub of the next job failed; this job trains without a successor" >&2; NEXT_JOB=""; return 0; }
     echo "chain: submitted $NEXT_JOB (after this job, CHAIN=$((chain - 1)))"
 }
 
-_chain_files_removed() {  # the chain ends: its overrides files are read by no further job
+_chain_files_removed() {  # the chain ends: its files are read by no further job
     [[ -n "${CHAIN_OF:-}${NEXT_JOB:-}" && -n "${PBS_JOBID:-}" ]] || return 0
-    rm -f "$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}".*.overrides
+    rm -f "$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}".*.{overrides,env}
 }
 
 pbs_chain_end() {  # $1: the run's exit status

@@ -257,7 +257,8 @@ def _chain_job(tmp_path, status: int, finish: bool, **env: str):
 def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels_it(tmp_path):
     # A run that saved and stopped for walltime (status 0, not finished): the successor stays,
     # queued after this job with the same resources, recipe, overrides and settings.
-    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False)
+    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False, CUDA_VISIBLE_DEVICES="0,1",
+                                      NCCL_DEBUG="WARN")
     assert out.returncode == 0 and ran, out.stdout[-2000:] + out.stderr[-2000:]
     assert qdel is None
     assert qsub[:qsub.index("-v")] == ["-A", "MyProj", "-q", "prod", "-l", "select=2:system=polaris",
@@ -265,21 +266,41 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
                                        "-W", "depend=afterany:100.polaris"]
     assert qsub[-1] == str(REPO / "launch" / "polaris.sh")
     passed = dict(item.split("=", 1) for item in qsub[qsub.index("-v") + 1].split(","))
-    assert passed["RECIPE"] == "recipes/gpt2-124m.yaml" and passed["CHAIN"] == "2"
-    assert passed["CHAIN_OF"] == "100.polaris" and passed["NGPUS_PER_NODE"] == "2"
-    assert passed["MPI_FLAVOR"] == "pals" and "CPU_BIND" not in passed  # only what the job was given
+    assert passed.keys() == {"CHAIN_ENV", "CHAIN", "CHAIN_OF"} and passed["CHAIN"] == "2"
+    assert passed["CHAIN_OF"] == "100.polaris"
+    # The recipe and the settings as the job was given them (commas too, which qsub -v cannot
+    # carry), NCCL's own among them; only those: no default the script filled in.
+    settings = subprocess.run(["bash", "-c", f"env -i bash -c 'source {passed['CHAIN_ENV']}; env'"],
+                              capture_output=True, text=True, check=True).stdout
+    given = dict(line.split("=", 1) for line in settings.splitlines() if "=" in line)
+    assert given["RECIPE"] == "recipes/gpt2-124m.yaml" and given["NGPUS_PER_NODE"] == "2"
+    assert given["MPI_FLAVOR"] == "pals" and given["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert given["NCCL_DEBUG"] == "WARN" and "CPU_BIND" not in given
     # The overrides as given (the walltime's exit_duration_mins is each job's own).
-    overrides = Path(passed["OVERRIDES_FILE"])
+    overrides = Path(given["OVERRIDES_FILE"])
     assert overrides.name == "100.polaris.100.polaris.overrides"  # the chain's, then the job's id
     assert overrides.read_text().splitlines() == [
         f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
     assert "chain: submitted 201.polaris" in out.stdout
+    # The successor, given nothing but CHAIN_ENV (and CHAIN), launches the same run.
+    path = _fake_command(tmp_path, "mpiexec",
+                         f'printf "%s\\0" "$@" > {tmp_path}/argv; env -0 > {tmp_path}/env')
+    base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
+    successor = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh")], cwd=REPO, capture_output=True,
+                               text=True, timeout=300, env={**base, "PATH": path, "CHAIN": "0",
+                                                            "CHAIN_ENV": passed["CHAIN_ENV"]})
+    assert successor.returncode == 0, successor.stderr
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert argv[-4:] == ["pretrain.py", "recipes/gpt2-124m.yaml", f"logging.dir={tmp_path / 'run'}",
+                         f"checkpoint.dir={tmp_path / 'ck'}"]
+    env = dict(item.split("=", 1) for item in (tmp_path / "env").read_text().split("\0") if "=" in item)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_DEBUG"] == "WARN"
 
     # The run finished in this job: the successor is cancelled.
     out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=True)
     assert out.returncode == 0 and qsub is not None and qdel == ["201.polaris"], out.stdout[-2000:]
     assert "chain: the run is finished" in out.stdout
-    assert not overrides.exists()  # the chain ended: no job reads its overrides any more
+    assert not overrides.exists() and not Path(passed["CHAIN_ENV"]).exists()  # the chain ended
     # A failure that is not a walltime stop: the successor is cancelled, the status kept.
     (tmp_path / "run" / "finished.json").unlink()
     out, qsub, qdel, ran = _chain_job(tmp_path, 1, finish=False)
