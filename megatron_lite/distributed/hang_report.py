@@ -28,7 +28,8 @@ def read_dumps(folder: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-7' (three or more in a row), 'ranks 0, 1, 4'."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
@@ -60,7 +61,7 @@ def _short(path: str) -> str:
 
 def _collective_text(w: dict[str, Any]) -> str:
     return (f"{w['name']} '{w['what']}' (#{w['seq']} on the {w['group_name']} group, {w['backend']}, "
-            f"{_ranks_text(w['group'])})")
+            f"{ranks_text(w['group'])})")
 
 
 def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> list[str]:
@@ -80,7 +81,7 @@ def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -
         waiting = sorted(r for r, _ in present)
         first = present[0][1]
         missing = [r for r in group if r not in waiting]
-        verdict = (f"hang: {_ranks_text(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
+        verdict = (f"hang: {ranks_text(waiting)} wait{'s' if len(waiting) == 1 else ''} in "
                    f"{_collective_text(first)} for {max(w['waited_s'] for _, w in present):.0f} s")
         if missing:
             verdict += f"; missing: {', '.join(_missing_text(r, name, seq, dumps) for r in missing)}"
@@ -91,7 +92,7 @@ def summarize(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -
         lines.append("hang: no rank is in a collective of the project (see each rank's stack)")
     silent = [r for r in range(world) if r not in dumps]
     if silent:
-        lines[0] += f"; no word from {_ranks_text(silent)} (exited, frozen, or its logging.dir is not shared)"
+        lines[0] += f"; no word from {ranks_text(silent)} (exited, frozen, or its logging.dir is not shared)"
     for rank in range(world):
         dump = dumps.get(rank)
         if dump is None:

@@ -17,6 +17,7 @@ import megatron_lite.distributed.cpu_extensions as cpu_extensions
 import megatron_lite.distributed.device as devmod
 import megatron_lite.distributed.hang as hang
 from megatron_lite.config.schema import Config
+from megatron_lite.distributed.hang_report import ranks_text
 from megatron_lite.distributed.launcher_env import LaunchEnv
 from megatron_lite.distributed.parallel_dims import ParallelDims, TopologyError
 
@@ -76,19 +77,11 @@ def agreed_node_size(dims: ParallelDims, env: LaunchEnv) -> int:
     by_size: dict[int, list[int]] = {}
     for rank, size in enumerate(sizes):
         by_size.setdefault(size, []).append(rank)
-    seen = "; ".join(f"{_ranks_text(ranks)}: {size} per node" for size, ranks in by_size.items())
+    seen = "; ".join(f"{ranks_text(ranks)}: {size} per node" for size, ranks in by_size.items())
     raise TopologyError(
         f"parallel.hsdp: the default shard group is the ranks of one node, but the launcher places "
         f"different numbers of ranks on the nodes ({seen}); run the same number of ranks on every "
         "node, or set parallel.hsdp_shard_size")
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ",".join(map(str, ranks))
 
 
 def shutdown_distributed(dims: ParallelDims) -> None:
