@@ -18,6 +18,11 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
     return multiple * math.ceil(vocab / multiple)
 
 
+class VocabularyError(ValueError):
+    """The recipe's model and its tokenizer do not fit together: the same on every rank, and
+    fixed in the recipe (exit status 2, as a wrong layout)."""
+
+
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int,
                   tensor_parallel: int = 1, tokenizer_eod: int | None = None) -> ModelConfig:
     """Fill the fields a recipe may leave to the data: vocab size (padded), the tokenizer's
@@ -25,11 +30,12 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
     vocab = cfg.vocab_size
     if vocab is None:
         if tokenizer_vocab is None:
-            raise ValueError("'model.vocab_size' is null and no tokenizer gives one")
+            raise VocabularyError("'model.vocab_size' is null and no tokenizer gives one")
         vocab = padded_vocab_size(tokenizer_vocab, cfg.vocab_multiple * tensor_parallel)
     used = cfg.tokenizer_vocab_size or tokenizer_vocab or vocab
     if used > vocab:
-        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({used})")
+        raise VocabularyError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+                              f"({used}): set it to null (sized from the tokenizer) or to at least that")
     eod = cfg.eod_id if cfg.eod_id is not None else tokenizer_eod
     return dataclasses.replace(cfg, vocab_size=vocab, tokenizer_vocab_size=used,
                                max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
@@ -43,12 +49,14 @@ def require_document_end(cfg: ModelConfig, eod_mask_loss: bool) -> None:
     used = cfg.tokenizer_vocab_size or cfg.vocab_size
     if needs and cfg.eod_id is not None and not 0 <= cfg.eod_id < used:
         # An id no token has: no document would ever end (nor a loss be masked), without a word.
-        raise ValueError(f"model.eod_id={cfg.eod_id} is not a token id of this vocabulary (0..{used - 1}); "
-                         "set the id that ends each document in the data, or null for the tokenizer's")
+        raise VocabularyError(f"model.eod_id={cfg.eod_id} is not a token id of this vocabulary "
+                              f"(0..{used - 1}); set the id that ends each document in the data, or null "
+                              "for the tokenizer's")
     if needs and cfg.eod_id is None:
         verb = "need" if len(needs) > 1 else "needs"
-        raise ValueError(f"{' and '.join(needs)} {verb} the id that ends each document, but the tokenizer "
-                         "has none (a character tokenizer, say): set model.eod_id, or leave them off")
+        raise VocabularyError(f"{' and '.join(needs)} {verb} the id that ends each document, but the "
+                              "tokenizer has none (a character tokenizer, say): set model.eod_id, or leave "
+                              "them off")
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
@@ -59,6 +67,6 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
 
 
 __all__ = [
-    "Transformer", "build_model", "resolve_model", "require_document_end", "padded_vocab_size",
-    "count_parameters", "flops_per_token", "matmul_parameters",
+    "Transformer", "VocabularyError", "build_model", "resolve_model", "require_document_end",
+    "padded_vocab_size", "count_parameters", "flops_per_token", "matmul_parameters",
 ]

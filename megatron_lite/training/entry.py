@@ -106,6 +106,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.distributed.cpu_extensions import StaleBuildLock
     from megatron_lite.distributed.device import DeviceError
+    from megatron_lite.model import VocabularyError
     from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.control import Stopped, stop_on_signals
     from megatron_lite.training.run import run
@@ -122,7 +123,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except Stopped as e:
         return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
-    except (TopologyError, InitFromError, DeviceError) as e:  # the same on every rank
+    except (TopologyError, InitFromError, DeviceError, VocabularyError) as e:  # the same on every rank
         return 2, str(e), False
     except CollectiveError as e:
         rank = (env or detect()).rank

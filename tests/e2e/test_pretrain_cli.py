@@ -139,6 +139,16 @@ def test_misspelled_key_fails_before_anything_is_built(tmp_path):
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_a_vocabulary_smaller_than_the_tokenizers_is_a_recipe_error(tmp_path):
+    """Found once the tokenizer is read: the recipe's mistake (exit 2, as a wrong layout), one
+    line with the fix, no traceback."""
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "model.vocab_size=32"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == ("error: model.vocab_size=32 is smaller than the tokenizer's vocabulary (65): set it to "
+                    "null (sized from the tokenizer) or to at least that"), line
+
+
 def test_missing_dataset_is_a_one_line_error(tmp_path):
     """pretrain.py's main as its __main__ calls it, then a look at what the failure left: the
     process groups are torn down on the failure path too (left to interpreter exit, gloo's
