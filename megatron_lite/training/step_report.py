@@ -75,7 +75,7 @@ class StepReporter:
                  must_read: bool = False):
         """``must_read``: every report is read (the trainer); else a report nobody read is waited
         for and dropped when its buffers come round again (a benchmark's steps)."""
-        self.group = dims.group("world") if dims.world_size > 1 else None  # one rank: no reduction
+        self.group = dims.group("world")
         self.acc, self.device, self.grad_accum, self.n_flags = acc, device, grad_accum, n_flags
         self.must_read = must_read
         on_accelerator = device.type != "cpu" and acc is not None
@@ -113,7 +113,7 @@ class StepReporter:
             host_flags.copy_(torch.tensor([float(f) for f in flags], dtype=f64))
             parts.append(host_flags.to(dev, non_blocking=True))
         agreed = torch.cat([p.reshape(-1) for p in parts])
-        if self.group is not None:
+        if self.group is not None:  # None: one process without torch.distributed (unit tests)
             collectives.all_reduce(agreed, self.group)
         if grad_norm is None:
             norm, has_norm = zero, zero
