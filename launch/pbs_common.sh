@@ -43,7 +43,9 @@ pbs_parse() {
         [[ -n "$RECIPE" ]] || { echo "usage: launch/$SCRIPT [--dry-run] RECIPE [overrides]   (--help: the settings)" >&2; exit 2; }
     fi
     OVERRIDES_ARR=("$@")
-    if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
+    if [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${CHAIN_OVERRIDES+set}" ]]; then  # a chained job's (CHAIN_ENV)
+        OVERRIDES_ARR=(${CHAIN_OVERRIDES[@]+"${CHAIN_OVERRIDES[@]}"})
+    elif [[ ${#OVERRIDES_ARR[@]} -eq 0 && -n "${OVERRIDES_FILE:-}" ]]; then
         [[ -f "$OVERRIDES_FILE" ]] || { echo "error: OVERRIDES_FILE=$OVERRIDES_FILE does not exist" >&2; exit 2; }
         local line
         while IFS= read -r line || [[ -n "$line" ]]; do
@@ -116,7 +118,7 @@ _seconds() {  # HH:MM:SS -> seconds (empty when it is not that)
 pbs_walltime() {  # sets SIGNAL_AFTER_S (empty: unknown) and HANG_GRACE_S
     local margin_min="${CHECKPOINT_MARGIN_MIN:-10}" left_s limit_s used_s qstat_out
     [[ "$margin_min" =~ ^[0-9]+$ ]] || { echo "error: CHECKPOINT_MARGIN_MIN=$margin_min: give whole minutes" >&2; exit 2; }
-    local grace="${HANG_GRACE_MIN:-$((margin_min / 2 > 0 ? margin_min / 2 : 1))}"
+    local grace="${HANG_GRACE_MIN:-$(awk -v m="$margin_min" 'BEGIN {print m / 2}')}"  # default: half the margin
     [[ "$grace" =~ ^[0-9]*\.?[0-9]+$ ]] || { echo "error: HANG_GRACE_MIN=$grace: give minutes (a number)" >&2; exit 2; }
     if [[ -n "${HANG_GRACE_MIN:-}" ]] && awk -v g="$grace" -v m="$margin_min" 'BEGIN {exit !(g >= m)}'; then
         echo "error: HANG_GRACE_MIN=$grace must be under CHECKPOINT_MARGIN_MIN=$margin_min: the hang report would come after the walltime" >&2
@@ -179,8 +181,8 @@ pbs_mpi_flavor() {  # sets FLAVOR (pals: Cray's mpiexec; hydra: MPICH's) and MPI
 # same script, resources and settings, CHAIN=N-1), so the next allocation is queued while this
 # one trains. At the end: a run that is finished (logging.dir/finished.json, written by the
 # trainer) or that failed (any exit status but 0, the status of a run that saved and stopped
-# for walltime) cancels the successor; the chain ends, and its files (.chain/CHAIN_OF.JOB.overrides
-# and .env: the overrides, recipe and settings) go with it. A successor that finds the run
+# for walltime) cancels the successor; the chain ends, and its files (.chain/CHAIN_OF.JOB.env:
+# the recipe, overrides and settings) go with it. A successor that finds the run
 # finished exits at once.
 _qstat_field() { awk -v key="$1" '$1 == key {sub(/^[^=]*= /, ""); print; exit}' <<< "$2"; }
 
@@ -194,7 +196,7 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     fi
     ((chain > 0)) || return 0
     [[ -n "${PBS_JOBID:-}" ]] || { echo "chain: CHAIN=$chain outside a PBS job (no PBS_JOBID): nothing is submitted" >&2; return 0; }
-    local info resources=() vars overrides_file
+    local info resources=() vars
     info=$(qstat -f "$PBS_JOBID" 2> /dev/null || true)
     local select_ walltime queue account filesystems place
     select_=$(_qstat_field Resource_List.select "$info"); walltime=$(_qstat_field Resource_List.walltime "$info")
@@ -207,14 +209,15 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
     for item in "select=$select_" "walltime=$walltime" "filesystems=$filesystems" "place=$place"; do
         [[ "$item" == *= ]] || resources+=(-l "$item")
     done
-    # The recipe, overrides and settings travel in files: qsub -v splits its list at commas.
+    # The recipe, overrides and settings travel in a file (qsub -v splits its list at commas),
+    # shell-quoted: an override with a newline or edge spaces arrives byte for byte.
     mkdir -p "$PWD/.chain"
-    local files="$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}.${PBS_JOBID}"
-    overrides_file="$files.overrides"
-    printf '%s\n' ${GIVEN_OVERRIDES[@]+"${GIVEN_OVERRIDES[@]}"} > "$overrides_file"
+    local env_file="$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}.${PBS_JOBID}.env"
     { [[ -z "$CHAIN_GIVEN" ]] || printf '%s\n' "$CHAIN_GIVEN"
-      printf 'export RECIPE=%q OVERRIDES_FILE=%q\n' "$RECIPE" "$overrides_file"; } > "$files.env"
-    vars="CHAIN_ENV=$files.env,CHAIN=$((chain - 1)),CHAIN_OF=${CHAIN_OF:-$PBS_JOBID}"
+      printf 'export RECIPE=%q\nCHAIN_OVERRIDES=(' "$RECIPE"
+      [[ ${#GIVEN_OVERRIDES[@]} -eq 0 ]] || printf ' %q' "${GIVEN_OVERRIDES[@]}"
+      printf ' )\n'; } > "$env_file"
+    vars="CHAIN_ENV=$env_file,CHAIN=$((chain - 1)),CHAIN_OF=${CHAIN_OF:-$PBS_JOBID}"
     NEXT_JOB=$(qsub "${resources[@]}" -W "depend=afterany:$PBS_JOBID" -v "$vars" "$PWD/launch/$SCRIPT") || {
         echo "error: CHAIN=$chain: qsub of the next job failed; this job trains without a successor" >&2; NEXT_JOB=""; return 0; }
     echo "chain: submitted $NEXT_JOB (after this job, CHAIN=$((chain - 1)))"
@@ -222,7 +225,7 @@ pbs_chain_start() {  # sets NEXT_JOB (empty: none submitted)
 
 _chain_files_removed() {  # the chain ends: its files are read by no further job
     [[ -n "${CHAIN_OF:-}${NEXT_JOB:-}" && -n "${PBS_JOBID:-}" ]] || return 0
-    rm -f "$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}".*.{overrides,env}
+    rm -f "$PWD/.chain/${CHAIN_OF:-$PBS_JOBID}".*.env
 }
 
 pbs_chain_end() {  # $1: the run's exit status

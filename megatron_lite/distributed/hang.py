@@ -89,10 +89,10 @@ class waiting_in:
     on ``group`` while the block runs. (A class, not a generator-based context manager: it
     wraps every collective of a tensor-parallel step, and costs a third as much.)"""
 
-    __slots__ = ("name", "what", "group", "me")
+    __slots__ = ("name", "what", "group", "me", "outer")
 
     def __init__(self, name: str, what: str, group):
-        self.name, self.what, self.group, self.me = name, what, group, None
+        self.name, self.what, self.group, self.me, self.outer = name, what, group, None, None
 
     def __enter__(self) -> None:
         known = _groups.get(id(self.group))
@@ -102,12 +102,16 @@ class waiting_in:
         seq = _counts[group_name] = _counts.get(group_name, 0) + 1
         now = time.time()
         self.me = threading.get_ident()
+        self.outer = _waiting.get(self.me)  # nested: the enclosing collective comes back after
         _waiting[self.me] = Waiting(self.name, self.what, group_name, ranks, backend, seq, now, timeout_s)
         _last_progress[0] = now
 
     def __exit__(self, *exc) -> None:
         if self.me is not None:
-            del _waiting[self.me]
+            if self.outer is None:
+                _waiting.pop(self.me, None)
+            else:
+                _waiting[self.me] = self.outer
             _last_progress[0] = time.time()
 
 

@@ -358,13 +358,15 @@ class Transformer(nn.Module):
         """Token ids ``x`` (B, T) -> logits (B, T, V), or the mean loss with targets.
         ``documents`` (B, T): the document of each token (``document_ids``) when attention stays
         within documents; under sequence parallelism those of the whole sequence, of which ``x``
-        is this rank's part. ``cache``: ``x`` follows the positions it holds (sampling; not with
-        ``documents``), and it keeps theirs too.
+        is this rank's part. ``cache`` (sampling): ``x`` follows the positions it holds; it keeps theirs.
 
         A pipeline stage is this model with some parts removed (``parallel/stages.py``), and
         runs the parts it has: after the first stage ``x`` is the hidden states (B, T, D) of the
         one before; a stage before the last returns its hidden states, the last its normed ones
         (its output layer is the pipeline's loss)."""
+        recompute = self.activation_checkpointing if self.training else "none"
+        if cache is not None and (documents is not None or recompute != "none"):
+            raise ValueError("a KV cache is for sampling: eval mode (no recomputation), no documents")
         if self.tok_emb is not None:
             if documents is None:
                 start = cache.start_of(x.size(1)) if cache is not None else 0
@@ -376,7 +378,6 @@ class Transformer(nn.Module):
                 x = x + self.pos_emb(positions)
             x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
-        recompute = self.activation_checkpointing if self.training else "none"
         for name, block in self.blocks.items():
             if recompute == "full":
                 x = checkpoint(block, x, rope, documents, use_reentrant=False)

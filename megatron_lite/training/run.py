@@ -24,7 +24,7 @@ from megatron_lite.engine.config import deepspeed_config
 from megatron_lite.engine.versions import limitations as deepspeed_limitations
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.logging.console import emit_line
-from megatron_lite.model import build_model, count_parameters, flops_per_token, resolve_model
+from megatron_lite.model import VocabularyError, build_model, count_parameters, flops_per_token, resolve_model
 from megatron_lite.training.build import build
 from megatron_lite.training.trainer import RunResult, Trainer
 
@@ -142,8 +142,8 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     model_cfg = resolve_model(cfg.model, data.tokenizer.vocab_size, cfg.data.seq_length, dims.tensor,
                               data.tokenizer.eod_id)
     if model_cfg.tokenizer_vocab_size < data.tokenizer.vocab_size:
-        raise ValueError(f"model.tokenizer_vocab_size={model_cfg.tokenizer_vocab_size} is smaller than "
-                         f"the tokenizer's {data.tokenizer.vocab_size}; leave it null")
+        raise VocabularyError(f"model.tokenizer_vocab_size={model_cfg.tokenizer_vocab_size} is smaller than "
+                              f"the tokenizer's {data.tokenizer.vocab_size}; leave it null")
     expected = cfg.data.tokenizer.vocab_size
     if expected is not None and expected != data.tokenizer.vocab_size:
         log(f"warning: data.tokenizer.vocab_size={expected}, but the tokenizer has "

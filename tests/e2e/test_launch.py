@@ -227,7 +227,7 @@ def test_polaris_overrides_keep_spaces_and_commas_and_the_walltime_left_counts(t
         r"data.split=969\,30\,1 training.sample_prompt=A\,\ B training.exit_duration_mins=80")
 
 
-def _chain_job(tmp_path, status: int, finish: bool, **env: str):
+def _chain_job(tmp_path, status: int, finish: bool, extra: tuple[str, ...] = (), **env: str):
     """One job of a chain (CHAIN=3, job 100.polaris) with fake qstat, qsub, qdel and mpiexec:
     mpiexec exits with ``status`` and, with ``finish``, leaves the trainer's finished.json.
     Returns (result, qsub's arguments or None, qdel's arguments or None, whether mpiexec ran)."""
@@ -244,7 +244,7 @@ def _chain_job(tmp_path, status: int, finish: bool, **env: str):
                          + (f"echo '{{}}' > {run_dir}/finished.json; " if finish else "") + f"exit {status}")
     base = {k: v for k, v in _launch_env().items() if k not in _PLACEMENT_SETTINGS}
     out = subprocess.run(["bash", str(REPO / "launch" / "polaris.sh"), "recipes/gpt2-124m.yaml",
-                          f"logging.dir={run_dir}", f"checkpoint.dir={tmp_path / 'ck'}"], cwd=REPO,
+                          f"logging.dir={run_dir}", f"checkpoint.dir={tmp_path / 'ck'}", *extra], cwd=REPO,
                          env={**base, "PATH": path, "MPI_FLAVOR": "pals", "PBS_JOBID": "100.polaris",
                               "CHAIN": "3", "NGPUS_PER_NODE": "2",
                               "PBS_NODEFILE": _nodefile(tmp_path, ["x3001c0s1b0n0"]), **env},
@@ -257,7 +257,8 @@ def _chain_job(tmp_path, status: int, finish: bool, **env: str):
 def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels_it(tmp_path):
     # A run that saved and stopped for walltime (status 0, not finished): the successor stays,
     # queued after this job with the same resources, recipe, overrides and settings.
-    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False, CUDA_VISIBLE_DEVICES="0,1",
+    prompt = "training.sample_prompt=ROMEO.\n  "  # a newline and edge spaces, kept byte for byte
+    out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=False, extra=(prompt,), CUDA_VISIBLE_DEVICES="0,1",
                                       NCCL_DEBUG="WARN")
     assert out.returncode == 0 and ran, out.stdout[-2000:] + out.stderr[-2000:]
     assert qdel is None
@@ -276,11 +277,8 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     assert given["RECIPE"] == "recipes/gpt2-124m.yaml" and given["NGPUS_PER_NODE"] == "2"
     assert given["MPI_FLAVOR"] == "pals" and given["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert given["NCCL_DEBUG"] == "WARN" and "CPU_BIND" not in given
-    # The overrides as given (the walltime's exit_duration_mins is each job's own).
-    overrides = Path(given["OVERRIDES_FILE"])
-    assert overrides.name == "100.polaris.100.polaris.overrides"  # the chain's, then the job's id
-    assert overrides.read_text().splitlines() == [
-        f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    chain_env = Path(passed["CHAIN_ENV"])
+    assert chain_env.name == "100.polaris.100.polaris.env"  # the chain's, then the job's id
     assert "chain: submitted 201.polaris" in out.stdout
     # The successor, given nothing but CHAIN_ENV (and CHAIN), launches the same run.
     path = _fake_command(tmp_path, "mpiexec",
@@ -291,8 +289,9 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
                                                             "CHAIN_ENV": passed["CHAIN_ENV"]})
     assert successor.returncode == 0, successor.stderr
     argv = (tmp_path / "argv").read_text().split("\0")[:-1]
-    assert argv[-4:] == ["pretrain.py", "recipes/gpt2-124m.yaml", f"logging.dir={tmp_path / 'run'}",
-                         f"checkpoint.dir={tmp_path / 'ck'}"]
+    # The overrides as given (the walltime's exit_duration_mins is each job's own).
+    assert argv[-5:] == ["pretrain.py", "recipes/gpt2-124m.yaml", f"logging.dir={tmp_path / 'run'}",
+                         f"checkpoint.dir={tmp_path / 'ck'}", prompt]
     env = dict(item.split("=", 1) for item in (tmp_path / "env").read_text().split("\0") if "=" in item)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_DEBUG"] == "WARN"
 
@@ -300,7 +299,7 @@ def test_a_chained_job_queues_its_successor_and_a_finished_or_failed_run_cancels
     out, qsub, qdel, ran = _chain_job(tmp_path, 0, finish=True)
     assert out.returncode == 0 and qsub is not None and qdel == ["201.polaris"], out.stdout[-2000:]
     assert "chain: the run is finished" in out.stdout
-    assert not overrides.exists() and not Path(passed["CHAIN_ENV"]).exists()  # the chain ended
+    assert not chain_env.exists()  # the chain ended: no job reads its settings any more
     # A failure that is not a walltime stop: the successor is cancelled, the status kept.
     (tmp_path / "run" / "finished.json").unlink()
     out, qsub, qdel, ran = _chain_job(tmp_path, 1, finish=False)

@@ -142,11 +142,15 @@ def test_misspelled_key_fails_before_anything_is_built(tmp_path):
 def test_a_vocabulary_smaller_than_the_tokenizers_is_a_recipe_error(tmp_path):
     """Found once the tokenizer is read: the recipe's mistake (exit 2, as a wrong layout), one
     line with the fix, no traceback."""
-    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "model.vocab_size=32"])
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    (line,) = proc.stderr.strip().splitlines()
-    assert line == ("error: model.vocab_size=32 is smaller than the tokenizer's vocabulary (65): set it to "
-                    "null (sized from the tokenizer) or to at least that"), line
+    cases = (("model.vocab_size=32", "error: model.vocab_size=32 is smaller than the tokenizer's vocabulary "
+              "(65): set it to null (sized from the tokenizer) or to at least that"),
+             ("model.tokenizer_vocab_size=32", "error: model.tokenizer_vocab_size=32 is smaller than the "
+              "tokenizer's 65; leave it null"))
+    for override, says in cases:
+        proc = run_pretrain([RECIPE, *char_overrides(tmp_path), override])
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line == says, line
 
 
 def test_missing_dataset_is_a_one_line_error(tmp_path):

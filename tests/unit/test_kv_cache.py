@@ -37,6 +37,19 @@ def test_a_cache_refuses_more_positions_than_the_model_has():
             model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
 
 
+def test_a_cache_is_refused_where_it_would_be_skipped():
+    """Recomputed blocks (training mode) and document attention never see the cache: refused,
+    not positions counted with nothing cached."""
+    import dataclasses
+
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    model = build_model(dataclasses.replace(GPT, activation_checkpointing="full"), seed=0).train()
+    with pytest.raises(ValueError, match="a KV cache is for sampling"):
+        model(tokens, cache=KVCache(24))
+    with pytest.raises(ValueError, match="a KV cache is for sampling"):
+        model.eval()(tokens, documents=torch.zeros(1, 4, dtype=torch.long), cache=KVCache(24))
+
+
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama-gqa"])
 def test_sampling_past_the_context_restarts_the_window_at_three_quarters(cfg):
     """Greedy tokens equal a plain loop of whole forwards over each token's window: all tokens
