@@ -103,7 +103,7 @@ OTHER_PRIVATE = {
 }
 ACCESSORS = ("getattr", "hasattr", "setattr", "delattr")
 # Private names of the package's own (set on objects of its own making).
-OURS = {"_runs_op_build_hook", "_exit"}  # (os._exit is documented)
+OURS = {"_runs_op_build_hook", "_exit", "_asdict"}  # (os._exit and NamedTuple._asdict are documented)
 
 
 def _private(name: object) -> bool:
