@@ -190,14 +190,13 @@ class CausalAttention(nn.Module):
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         gqa = k.size(1) != q.size(1)
+        if cache is not None:
+            k, v = cache.extend(k, v)  # (B, Hkv, start+T, hd)
         if documents is not None:
             y = document_attention(q, k, v, documents, dropout, self.sdpa)  # (B, H, T, hd)
-        elif start:
-            k, v = cache.extend(k, v)  # (B, Hkv, start+T, hd)
+        elif start:  # after cached positions: the last T rows of the causal mask
             y = self.sdpa(q, k, v, attn_mask=causal_mask(T, k.size(2), q.device), enable_gqa=gqa)
         else:
-            if cache is not None:
-                cache.extend(k, v)
             y = self.sdpa(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         return y.transpose(1, 2)  # (B, T, H, hd)
 

@@ -61,7 +61,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, dims: Para
     grads = [p.grad for p in params if p.grad is not None and (dims.tp_rank == 0 or spec(p).sharded)]
     # torch's multi-tensor norm and scaling (one launch each per dtype, not one per tensor). torch
     # leaves them off for CPU tensors by default; its C++ loop there still beats one Python call
-    # per tensor (docs/benchmarks.md).
+    # per tensor (docs/benchmarks-history.md, "Where the step's time goes").
     foreach = True if params[0].device.type == "cpu" else None
     norm = torch.nn.utils.get_total_norm(grads, foreach=foreach).float() if grads \
         else torch.zeros((), device=params[0].device)
