@@ -452,7 +452,8 @@ class CheckpointConfig:
     on_save_failure: str = choice("stop", "continue")
     """After a failed save (disk full, I/O error on any rank): ``stop`` exits non-zero after
     ``max_save_failures`` consecutive failures; ``continue`` trains on and warns at every log
-    step how old the last good checkpoint is."""
+    step how old the last good checkpoint is. Under both, a last step that cannot be saved ends
+    the run non-zero, unfinished: the same command resumes from the last good checkpoint."""
     max_save_failures: int = 1
     """Consecutive failed saves that stop the run under ``on_save_failure: stop``."""
     async_save: bool = False

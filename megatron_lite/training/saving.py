@@ -88,6 +88,23 @@ class SavePolicy:
             return
         self.log(f"the checkpoint save of step {step} completed: {path}")
 
+    def require_saved(self, step: int) -> None:
+        """The run has reached its last step ``step``: raise ``CheckpointError`` unless that
+        step's save succeeded (whatever ``checkpoint.on_save_failure`` says). A run whose trained
+        state is on no disk has not finished: no exit status 0, no ``finished.json``, and the
+        same command resumes from the last good checkpoint. The same on every rank (a failed
+        save is reported everywhere)."""
+        if not self.failures:
+            return
+        fixed = "once the cause is fixed, the same command"
+        if self.last_good is None:
+            since = f"no checkpoint of this run was saved; {fixed} starts it again"
+        else:
+            since = (f"the last good checkpoint is step {self.last_good[0]}; {fixed} resumes from it "
+                     f"and trains the {step - self.last_good[0]} steps after it again")
+        raise CheckpointError(f"training reached its last step ({step}) but could not save it "
+                              f"({self.failures} save(s) in a row failed; the errors are above): {since}")
+
     def warn_if_old(self, step: int, consumed_samples: int) -> None:
         if not self.failures:
             return

@@ -282,6 +282,8 @@ class Trainer:
         self.profiler.close()
         if self.saves is not None:
             self.saves.finish()
+            if result.stopped is None:
+                self.saves.require_saved(st.step)
         result.steps = st.step
         return result
 

@@ -112,11 +112,15 @@ def test_disk_full_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, sma
     events = [r for r in read_metrics(tmp_path / "run") if r.get("event") == "checkpoint_save_failed"]
     assert len(events) == 1 and events[0]["step"] == 4
     # What is left is a checkpoint that loads: the run resumes from it (its own saves fail
-    # again, and it trains on).
-    proc = check(run_pretrain([*_args(tmp_path, "training.iters=4", "parallel.zero_stage=1"), *ck,
-                               "checkpoint.on_save_failure=continue", f"logging.dir={tmp_path}/again"],
-                              nproc=2, timeout=300, env=env))
+    # again, and it trains on), and its last step, which no save could keep, is no success.
+    proc = run_pretrain([*_args(tmp_path, "training.iters=4", "parallel.zero_stage=1"), *ck,
+                         "checkpoint.on_save_failure=continue", f"logging.dir={tmp_path}/again"],
+                        nproc=2, timeout=300, env=env)
     assert "step_00000002 at step 2" in proc.stdout
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("training reached its last step (4) but could not save it (1 save(s) in a row failed"
+            in proc.stderr)
+    assert not (tmp_path / "again/finished.json").exists()
 
 
 def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_trains_on(tmp_path, small_fs):
@@ -124,9 +128,15 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
     small, env = small_fs
     ck = [f"checkpoint.dir={small}/ck", "checkpoint.save_interval=2", "checkpoint.keep_last=0",
           "checkpoint.check_free_space=false", "checkpoint.on_save_failure=continue"]
-    proc = check(run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
-                               f"logging.dir={tmp_path}/run"], nproc=2, timeout=300, env=env))
+    proc = run_pretrain([*_args(tmp_path, "training.iters=6", "parallel.zero_stage=1"), *ck,
+                         f"logging.dir={tmp_path}/run"], nproc=2, timeout=300, env=env)
     assert "No space left on device" in proc.stdout
+    # The last step's save failed too: the trained state is on no disk, so the run has not
+    # finished (a chained job's successor trains the steps after the last good checkpoint again).
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("the last good checkpoint is step 2; once the cause is fixed, the same command resumes from it "
+            "and trains the 4 steps after it again") in proc.stderr
+    assert not (tmp_path / "run/finished.json").exists()
     assert "warning: the last good checkpoint (step 2) is" in proc.stdout
     assert (small / "ck/latest").read_text().strip() == "step_00000002"
     assert not list((small / "ck").glob(".tmp-*"))  # the partial save was removed
