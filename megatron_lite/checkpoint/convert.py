@@ -16,6 +16,7 @@ import yaml
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import architecture
+from megatron_lite.checkpoint.hf_source import open_hf
 from megatron_lite.checkpoint.manifest import listed_file, read_manifest, verify
 from megatron_lite.checkpoint.shards import Assembler, Fragment, file_fragments, shape_mismatches
 from megatron_lite.config.schema import ModelConfig
@@ -276,50 +277,14 @@ def _in_vocabulary(key: str, value: int | list[int] | None, vocab: int,
     return inside[0] if inside else None
 
 
-def _hf_weight_files(hf_dir: Path) -> list[Path]:
-    """The weight files of a Hugging Face model directory, sharded or not, safetensors first."""
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        if (hf_dir / index).is_file():
-            shards = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
-            return [hf_dir / name for name in shards]
-        if (hf_dir / single).is_file():
-            return [hf_dir / single]
-    raise FileNotFoundError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their "
-                            "sharded indexes): download the model's weight files too")
-
-
 def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     """(our config, our fp32 state dict, transformers' config) of a Hugging Face model directory
-    (or Hub id, where the network allows).
-    What this model cannot compute is refused from the config alone, before any weight is read.
-    The files are read directly, one tensor at a time into our names: no transformers model is
-    built (which would hold the weights twice, and which some transformers releases build only
-    with accelerate installed)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from megatron_lite.model.hf_convert import config_from_hf, gpt2_from_hf, llama_from_hf
-
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    cfg = config_from_hf(hf_config)
-    if not Path(hf_dir).is_dir():  # a Hub id (transformers found its config): its weight files
-        from huggingface_hub import snapshot_download
-
-        hf_dir = Path(snapshot_download(str(hf_dir), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
-    sd: dict[str, torch.Tensor] = {}
-    for file in _hf_weight_files(hf_dir):
-        if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt") as f:
-                sd.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (not a dict)
-        else:
-            sd.update(torch.load(file, map_location="cpu", weights_only=True))
-    convert = gpt2_from_hf if cfg.position == "learned" else llama_from_hf
-    try:
-        ours = convert(sd, cfg)
-    except KeyError as e:
-        raise ValueError(f"{hf_dir}: its weights lack {e.args[0]}, which its config.json implies") from None
-    return cfg, {k: v.float().contiguous() for k, v in ours.items()}, hf_config
+    (or Hub id, where the network allows). What this model cannot compute is refused from the
+    config alone, before any weight is read. The files are read directly, one block at a time
+    into our names (``hf_source``): no transformers model is built (which would hold the weights
+    twice, and which some transformers releases build only with accelerate installed)."""
+    cfg, weights, hf_config = open_hf(hf_dir)
+    return cfg, weights.read_all(), hf_config
 
 
 def import_hf(hf_dir: Path, root: Path) -> Path:

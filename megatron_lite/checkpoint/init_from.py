@@ -3,14 +3,16 @@ project or a Hugging Face directory), with nothing else of it: step 0, a fresh o
 schedule, data from the start (torchtitan's ``initial_load_model_only``, Megatron's
 ``--finetune --no-load-optim --no-load-rng``).
 
-The weights are read whole, on the host, by every rank; ``materialize`` then copies each rank's
-slice of each parameter, so every layout (tensor, pipeline, ZeRO-3, HSDP, tiling) starts from
-them exactly as it starts from the seeded initial values.
+Each rank reads the weights on the host as ``materialize`` asks for them, parameter by
+parameter, and copies its slice of each, so every layout (tensor, pipeline, ZeRO-3, HSDP,
+tiling) starts from them exactly as it starts from the seeded initial values. A Hugging Face
+source is read one block at a time (``hf_source``: a rank holds one block of it, a pipeline stage
+reads only its own blocks); a checkpoint of this project is assembled whole first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +39,10 @@ class InitFromError(ValueError):
 
 @dataclass
 class InitialWeights:
-    """The source's full weights by plain-model name."""
+    """The source's full weights by plain-model name (read when asked for, where the source
+    allows)."""
 
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
 
     def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """The full initial value of parameter ``name`` of ``shape``: the source's, its
@@ -54,23 +57,26 @@ def is_hf_directory(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / store.MANIFEST).is_file()
 
 
-def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The source model's config and full fp32 weights by plain-model name (a tied model has no
-    ``lm_head.weight``)."""
+Shapes = dict[str, tuple[int, ...]]
+
+
+def read_source(path: Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Shapes]:
+    """The source model's config, its full fp32 weights by plain-model name (a Hugging Face
+    model's read when asked for) and their shapes (a tied model has no ``lm_head.weight``)."""
     if not path.exists():
         raise InitFromError(f"checkpoint.init_from={str(path)!r} does not exist (give a checkpoint "
                             "directory of this project, a checkpoint.dir, or a Hugging Face model directory)")
     if is_hf_directory(path):
-        from megatron_lite.checkpoint.convert import read_hf
+        from megatron_lite.checkpoint.hf_source import open_hf
 
-        cfg, sd, _ = read_hf(path)
+        cfg, weights, _ = open_hf(path)
         if cfg.tie_embeddings:
-            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-        return cfg, sd
+            weights.drop("lm_head.weight")
+        return cfg, weights, dict(weights.shapes)
     from megatron_lite.checkpoint.convert import read_model
 
-    _, cfg, weights = read_model(path)
-    return cfg, weights
+    _, cfg, whole = read_model(path)
+    return cfg, whole, {name: tuple(w.shape) for name, w in whole.items()}
 
 
 def field_differences(source: ModelConfig, run: ModelConfig) -> list[str]:
@@ -83,26 +89,27 @@ def field_differences(source: ModelConfig, run: ModelConfig) -> list[str]:
             for f in fields if value[f](run) != value[f](source)]
 
 
-def mismatches(source: ModelConfig, weights: dict[str, torch.Tensor], run: ModelConfig) -> list[str]:
+def mismatches(source: ModelConfig, shapes: Mapping[str, tuple[int, ...]], run: ModelConfig) -> list[str]:
     """Every reason the run's model (resolved: padded vocabulary, tokenizer rows) cannot start
-    from ``weights``: each field the weights fix that differs (``field_differences``), then each
-    missing, extra or differently shaped parameter, one line each."""
+    from weights of ``shapes`` (by name): each field the weights fix that differs
+    (``field_differences``), then each missing, extra or differently shaped parameter, one line
+    each."""
     problems = field_differences(source, run)
     expected = {name: tuple(p.shape) for name, p in build_model(run, device="meta").named_parameters()}
     used = run.tokenizer_vocab_size or run.vocab_size
-    for name in sorted(expected.keys() | weights.keys()):
-        if name not in weights:
+    for name in sorted(expected.keys() | shapes.keys()):
+        if name not in shapes:
             problems.append(f"{name} {expected[name]}: not in the source")
         elif name not in expected:
-            problems.append(f"{name} {tuple(weights[name].shape)}: in the source, not in this model")
+            problems.append(f"{name} {shapes[name]}: in the source, not in this model")
         elif name in VOCAB_PARAMETERS:
-            rows, want = tuple(weights[name].shape), expected[name]
+            rows, want = shapes[name], expected[name]
             if rows[1:] != want[1:] or not used <= rows[0] <= want[0]:
                 problems.append(f"{name} {rows} in the source, this model's is {want} with {used} "
                                 "tokenizer rows (the source's rows must cover the tokenizer's and fit "
                                 "the padded vocabulary)")
-        elif tuple(weights[name].shape) != expected[name]:
-            problems.append(f"{name} {tuple(weights[name].shape)} in the source, {expected[name]} here")
+        elif shapes[name] != expected[name]:
+            problems.append(f"{name} {shapes[name]} in the source, {expected[name]} here")
     return problems
 
 
@@ -111,12 +118,12 @@ def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]
     mismatch is refused at once, in one error listing all of them."""
     source_path = Path(path)
     try:
-        source, weights = read_source(source_path)
+        source, weights, shapes = read_source(source_path)
     except InitFromError:
         raise
     except (OSError, ValueError, KeyError, store.CheckpointError) as e:  # no weights, a corrupt file
         raise InitFromError(f"checkpoint.init_from={path!r}: {e}") from None
-    problems = mismatches(source, weights, run)
+    problems = mismatches(source, shapes, run)
     if problems:
         listed = "\n  ".join(problems)
         raise InitFromError(f"checkpoint.init_from={path!r} does not fit this run's model "
