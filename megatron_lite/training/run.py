@@ -180,7 +180,13 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     # Rank 0's file work fails on every rank (a run directory that cannot be written), never on
     # rank 0 alone while the others go on into the next collective.
     on_one_rank_then_all(write_run_files, dims, f"writing {run_dir}/config.yaml and runtime.json")
-    log(f"model: {runtime['parameters']:,} parameters, {fpt / 1e9:.3f} GFLOPs/token | "
+    # The rows past the tokenizer's ids pad the vocabulary (model.vocab_multiple, tensor
+    # parallelism): memory, not model; the count a model card gives leaves them out.
+    padding = ((model_cfg.vocab_size - model_cfg.tokenizer_vocab_size) * model_cfg.d_model
+               * (1 if model_cfg.tie_embeddings else 2))
+    counted = f"{runtime['parameters'] - padding:,} parameters" + (
+        f" (+{padding:,} in the vocabulary's padding rows)" if padding > 0 else "")
+    log(f"model: {counted}, {fpt / 1e9:.3f} GFLOPs/token | "
         f"world {dims.world_size} (dp {dims.data}, tp {dims.tensor}, pp {dims.pipeline}, "
         f"ulysses {dims.ulysses}{f', context {dims.context}' if dims.context > 1 else ''}) | "
         f"global batch {runtime['global_batch_size']} "
