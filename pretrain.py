@@ -81,6 +81,7 @@ def main(argv: list[str]) -> int:
         print(value)
         return 0
     if "--dry-run" in flags:
+        from megatron_lite.model import padding_note, padding_parameters
         from megatron_lite.training.run import describe_model
 
         try:
@@ -88,7 +89,8 @@ def main(argv: list[str]) -> int:
         except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
             print(f"error: {e}", file=sys.stderr)
             return 1
-        print(f"parameters: {params:,}")
+        padding = padding_parameters(model_cfg, cfg.model.vocab_size)
+        print(f"parameters: {params - padding:,}{padding_note(padding)}")
         print(f"flops_per_token: {fpt:.6e}  (training: 6N + 12·L·d·T, T={cfg.data.seq_length})")
         print(f"vocab_size: {model_cfg.vocab_size}")
         return 0

@@ -56,15 +56,17 @@ class HFWeights(Mapping[str, torch.Tensor]):
         from safetensors import safe_open
 
         self.cfg, self.convert = cfg, convert
-        self.file_of: dict[str, Path] = {}
+        # Each file stays open (mapped) while the weights are read: one deleted or replaced
+        # meanwhile (a new download) cannot fail a rank halfway through its model.
+        self.opened: dict[str, Any] = {}  # tensor name -> its safetensors file, open
         self.mapped: dict[str, torch.Tensor] = {}  # .bin files' tensors, memory-mapped
         meta: dict[str, torch.Tensor] = {}
         for file in files:
             if file.suffix == ".safetensors":
-                with safe_open(str(file), framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 (not a dict)
-                        self.file_of[key] = file
-                        meta[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+                f = safe_open(str(file), framework="pt")
+                for key in f.keys():  # noqa: SIM118 (not a dict)
+                    self.opened[key] = f
+                    meta[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
             else:
                 try:  # mapped: a tensor's pages are read when its group is
                     tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -84,10 +86,10 @@ class HFWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        if name not in self._ready:
-            self._ready = {}  # the previous group's leftovers go before the next is read
+        if name not in self._ready:  # kept until another group is asked for (ZeRO-3's tiles ask again)
+            self._ready = {}  # the previous group goes before the next is read
             self._ready = self._read(_group(_OUR_BLOCK, name))
-        return self._ready.pop(name)
+        return self._ready[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -110,19 +112,10 @@ class HFWeights(Mapping[str, torch.Tensor]):
     def _read(self, group: int | None) -> dict[str, torch.Tensor]:
         """Our parameters of ``group``: its source tensors read, the rest left on meta, the
         conversion run over all of them, and the group's results taken."""
-        from safetensors import safe_open
-
         source = dict(self.meta)
-        wanted = [key for key in self.meta if _group(_HF_BLOCK, key) == group]
-        by_file: dict[Path, list[str]] = {}
-        for key in wanted:
-            if key in self.mapped:
-                source[key] = self.mapped[key]
-            else:
-                by_file.setdefault(self.file_of[key], []).append(key)
-        for file, keys in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                source.update({key: f.get_tensor(key) for key in keys})
+        for key in self.meta:
+            if _group(_HF_BLOCK, key) == group:
+                source[key] = self.mapped[key] if key in self.mapped else self.opened[key].get_tensor(key)
         out = {}
         for name, value in self.convert(source, self.cfg).items():
             if name in self.shapes and _group(_OUR_BLOCK, name) == group:

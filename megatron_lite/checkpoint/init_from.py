@@ -12,14 +12,17 @@ reads only its own blocks); a checkpoint of this project is assembled whole firs
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from megatron_lite.checkpoint import store
 from megatron_lite.config.schema import ModelConfig
+from megatron_lite.distributed.collectives import first_line
 from megatron_lite.model import build_model
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
@@ -37,17 +40,28 @@ class InitFromError(ValueError):
     """``checkpoint.init_from`` names no model, or one whose weights this run's model cannot take."""
 
 
+class SourceReadError(OSError):
+    """A weight of ``checkpoint.init_from`` could not be read while the model was built (the
+    files were checked when opened: a disk error, a file cut short since). This rank's own."""
+
+
 @dataclass
 class InitialWeights:
     """The source's full weights by plain-model name (read when asked for, where the source
     allows)."""
 
     weights: Mapping[str, torch.Tensor]
+    path: str = ""
+    """The source, as ``checkpoint.init_from`` gives it (for errors)."""
 
     def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """The full initial value of parameter ``name`` of ``shape``: the source's, its
         vocabulary rows padded with zeros to the run's padded vocabulary."""
-        w = self.weights[name]
+        try:
+            w = self.weights[name]
+        except (OSError, RuntimeError, SafetensorError) as e:
+            raise SourceReadError(f"checkpoint.init_from={self.path!r}: reading {name} failed: "
+                                  f"{type(e).__name__}: {e}") from None
         if name in VOCAB_PARAMETERS and w.shape[0] < shape[0]:
             w = torch.cat([w, w.new_zeros(shape[0] - w.shape[0], *w.shape[1:])])
         return w
@@ -123,6 +137,9 @@ def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]
         raise
     except (OSError, ValueError, KeyError, store.CheckpointError) as e:  # no weights, a corrupt file
         raise InitFromError(f"checkpoint.init_from={path!r}: {e}") from None
+    except (SafetensorError, RuntimeError, pickle.UnpicklingError) as e:  # a file that is no weights
+        raise InitFromError(f"checkpoint.init_from={path!r}: cannot read its weights ({type(e).__name__}: "
+                            f"{first_line(e)}); download the model again") from None
     problems = mismatches(source, shapes, run)
     if problems:
         listed = "\n  ".join(problems)
@@ -136,7 +153,7 @@ def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]
         "optimizer and schedule, data from the start")
     for note in differing:
         log(note)
-    return InitialWeights(weights)
+    return InitialWeights(weights, path)
 
 
 def own_checkpoint(checkpoint_dir: str | None, resume: bool) -> Path | None:

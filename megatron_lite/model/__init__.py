@@ -41,6 +41,22 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int | None, seq_length: int
                                max_seq_len=cfg.max_seq_len or seq_length, eod_id=eod)
 
 
+def padding_parameters(cfg: ModelConfig, recipe_vocab_size: int | None) -> int:
+    """Parameters in the padding rows of the resolved ``cfg``'s vocabulary: the rows past the
+    tokenizer's that ``model.vocab_multiple`` and tensor parallelism add (in the embedding, and
+    the output layer unless tied). None where the recipe sets ``model.vocab_size``
+    (``recipe_vocab_size``): every row of it is the model's, as in a model card's count."""
+    if recipe_vocab_size is not None:
+        return 0
+    rows = cfg.vocab_size - (cfg.tokenizer_vocab_size or cfg.vocab_size)
+    return rows * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+
+
+def padding_note(padding: int) -> str:
+    """What follows a parameter count without the padding rows (``padding_parameters``)."""
+    return f" (+{padding:,} in the vocabulary's padding rows)" if padding else ""
+
+
 def require_document_end(cfg: ModelConfig, eod_mask_loss: bool) -> None:
     """Refuse the settings that need the id that ends each document when the resolved model
     (``resolve_model``, given the tokenizer's) has none, or one outside its vocabulary."""
@@ -68,5 +84,6 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
 
 __all__ = [
     "Transformer", "VocabularyError", "build_model", "resolve_model", "require_document_end",
-    "padded_vocab_size", "count_parameters", "flops_per_token", "matmul_parameters",
+    "padded_vocab_size", "padding_parameters", "padding_note", "count_parameters", "flops_per_token",
+    "matmul_parameters",
 ]

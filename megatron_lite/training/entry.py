@@ -110,6 +110,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.control import Stopped, stop_on_signals
     from megatron_lite.training.run import run
+    from megatron_lite.training.saving import UnsavedEnd
 
     stop_on_signals()
     began = time.time()  # a hang report of this run is newer
@@ -125,6 +126,8 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
     except (TopologyError, InitFromError, DeviceError, VocabularyError) as e:  # the same on every rank
         return 2, str(e), False
+    except UnsavedEnd as e:  # the same on every rank
+        return 1, str(e), False
     except CollectiveError as e:
         rank = (env or detect()).rank
         return 1, _with_hang_verdict(str(e), cfg, began) if rank == 0 else str(e), True

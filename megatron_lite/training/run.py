@@ -24,7 +24,15 @@ from megatron_lite.engine.config import deepspeed_config
 from megatron_lite.engine.versions import limitations as deepspeed_limitations
 from megatron_lite.logging import MetricsLogger
 from megatron_lite.logging.console import emit_line
-from megatron_lite.model import VocabularyError, build_model, count_parameters, flops_per_token, resolve_model
+from megatron_lite.model import (
+    VocabularyError,
+    build_model,
+    count_parameters,
+    flops_per_token,
+    padding_note,
+    padding_parameters,
+    resolve_model,
+)
 from megatron_lite.training.build import build
 from megatron_lite.training.trainer import RunResult, Trainer
 
@@ -180,12 +188,8 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
     # Rank 0's file work fails on every rank (a run directory that cannot be written), never on
     # rank 0 alone while the others go on into the next collective.
     on_one_rank_then_all(write_run_files, dims, f"writing {run_dir}/config.yaml and runtime.json")
-    # The rows past the tokenizer's ids pad the vocabulary (model.vocab_multiple, tensor
-    # parallelism): memory, not model; the count a model card gives leaves them out.
-    padding = ((model_cfg.vocab_size - model_cfg.tokenizer_vocab_size) * model_cfg.d_model
-               * (1 if model_cfg.tie_embeddings else 2))
-    counted = f"{runtime['parameters'] - padding:,} parameters" + (
-        f" (+{padding:,} in the vocabulary's padding rows)" if padding > 0 else "")
+    padding = padding_parameters(model_cfg, cfg.model.vocab_size)
+    counted = f"{runtime['parameters'] - padding:,} parameters{padding_note(padding)}"
     log(f"model: {counted}, {fpt / 1e9:.3f} GFLOPs/token | "
         f"world {dims.world_size} (dp {dims.data}, tp {dims.tensor}, pp {dims.pipeline}, "
         f"ulysses {dims.ulysses}{f', context {dims.context}' if dims.context > 1 else ''}) | "

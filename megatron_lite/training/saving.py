@@ -14,6 +14,11 @@ from megatron_lite.distributed.collectives import first_line
 from megatron_lite.logging import MetricsLogger
 
 
+class UnsavedEnd(CheckpointError):
+    """Training reached its last step, whose save failed: the same on every rank (every rank
+    learns of a failed save), so one rank reports it."""
+
+
 class SavePolicy:
     """When the trainer saves (the interval, the last step, what the run control asks) and what
     a failed save does (``checkpoint.on_save_failure``): the trainer's side of the checkpointer."""
@@ -89,7 +94,7 @@ class SavePolicy:
         self.log(f"the checkpoint save of step {step} completed: {path}")
 
     def require_saved(self, step: int) -> None:
-        """The run has reached its last step ``step``: raise ``CheckpointError`` unless that
+        """The run has reached its last step ``step``: raise ``UnsavedEnd`` unless that
         step's save succeeded (whatever ``checkpoint.on_save_failure`` says). A run whose trained
         state is on no disk has not finished: no exit status 0, no ``finished.json``, and the
         same command resumes from the last good checkpoint. The same on every rank (a failed
@@ -102,7 +107,7 @@ class SavePolicy:
         else:
             since = (f"the last good checkpoint is step {self.last_good[0]}; {fixed} resumes from it "
                      f"and trains the {step - self.last_good[0]} steps after it again")
-        raise CheckpointError(f"training reached its last step ({step}) but could not save it "
+        raise UnsavedEnd(f"training reached its last step ({step}) but could not save it "
                               f"({self.failures} save(s) in a row failed; the errors are above): {since}")
 
     def warn_if_old(self, step: int, consumed_samples: int) -> None:

@@ -272,8 +272,8 @@ class Trainer:
                 started = time.perf_counter()
                 self.saves.maybe_save(st.step, st.consumed_samples, last=last, asked=decision.save)
                 self.interval.add("checkpoint", time.perf_counter() - started)
-            if decision.stop is not None and last:  # nothing left to stop: the run is complete
-                self.log(f"{decision.stop} at the last step: the run is complete")
+            if decision.stop is not None and last:  # nothing left to stop
+                self.log(f"{decision.stop} at the last step: no step is left to train")
             elif decision.stop is not None:
                 self.log(f"stopping at step {st.step}: {decision.stop}")
                 self.logger.event(st.step, "stop", decision.stop)

@@ -70,7 +70,7 @@ def test_time_limit_saves_and_exits_zero(tmp_path):
     proc = check(run_pretrain([*_args(tmp_path, "training.iters=1", "training.exit_duration_mins=0.001"),
                                f"checkpoint.dir={tmp_path}/ck2", f"logging.dir={tmp_path}/run2"],
                               env={"LAUNCH_START_EPOCH": str(time.time() - 3600)}))
-    assert "at the last step: the run is complete" in proc.stdout, proc.stdout[-2000:]
+    assert "at the last step: no step is left to train" in proc.stdout, proc.stdout[-2000:]
     assert json.loads((tmp_path / "run2/finished.json").read_text())["steps"] == 1
 
 
@@ -136,6 +136,7 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert ("the last good checkpoint is step 2; once the cause is fixed, the same command resumes from it "
             "and trains the 4 steps after it again") in proc.stderr
+    assert proc.stderr.count("error: training reached its last step") == 1  # the same on both ranks
     assert not (tmp_path / "run/finished.json").exists()
     assert "warning: the last good checkpoint (step 2) is" in proc.stdout
     assert (small / "ck/latest").read_text().strip() == "step_00000002"

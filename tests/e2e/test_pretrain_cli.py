@@ -70,6 +70,8 @@ def test_dry_run_and_plan_take_the_vocabulary_without_the_network(tmp_path):
         proc = check(run_pretrain(["recipes/gpt2-124m.yaml", flag], env=env, timeout=120))
         assert "Retrying" not in proc.stderr and "127.0.0.1:9" not in proc.stderr, proc.stderr[-2000:]
         assert ("vocab_size: 50304" if flag == "--dry-run" else "parameters: 124,475,904") in proc.stdout
+        if flag == "--dry-run":  # GPT-2's own count (transformers: 124,439,808), the padding apart
+            assert "parameters: 124,439,808 (+36,096 in the vocabulary's padding rows)" in proc.stdout
     for model, says in (("./nope/tok", "tokenizer './nope/tok', which does not exist yet"),
                         ("nope-org/nope-tok", "'nope-org/nope-tok' is neither a local directory nor in "
                                               "the Hugging Face cache")):

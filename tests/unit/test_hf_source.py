@@ -1,8 +1,10 @@
 """A Hugging Face directory read one block at a time (``checkpoint/hf_source.py``): every
 parameter equals the conversion of the model in memory, whatever the files (safetensors or
-.bin, sharded or whole, tied or not), and a reader that takes the parameters in the model's order
-holds a block of the source at a time, not the whole."""
+.bin, sharded or whole, tied or not); a reader that takes the parameters in the model's order
+reads each block once and holds one at a time, not the whole; what cannot be read is one error
+naming the source."""
 
+import json
 import subprocess
 import sys
 
@@ -11,7 +13,13 @@ import torch
 
 from megatron_lite.checkpoint.convert import read_hf
 from megatron_lite.checkpoint.hf_source import open_hf
-from megatron_lite.model import build_model
+from megatron_lite.checkpoint.init_from import (
+    InitFromError,
+    InitialWeights,
+    SourceReadError,
+    load_initial_weights,
+)
+from megatron_lite.model import build_model, resolve_model
 from megatron_lite.model.hf_convert import from_hf
 from tests.conftest import REPO
 
@@ -38,30 +46,94 @@ def _qwen2():
                                         tie_word_embeddings=True))
 
 
+def _save(model, out, files: str) -> None:
+    """``model`` as a Hugging Face directory of ``files``: ``safetensors`` or ``sharded-safetensors``
+    (transformers' own), ``bin``, ``sharded-bin`` (torch's zip format, with an index) or
+    ``legacy-bin`` (torch's format before 1.6), the files transformers 4 and older wrote."""
+    if "safetensors" in files:
+        model.save_pretrained(out, **({"max_shard_size": "20KB"} if files.startswith("sharded") else {}))
+        return
+    model.config.save_pretrained(out)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    zipped = files != "legacy-bin"
+    if files != "sharded-bin":
+        torch.save(sd, out / "pytorch_model.bin", _use_new_zipfile_serialization=zipped)
+        return
+    keys, weight_map = sorted(sd), {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+        torch.save({k: sd[k] for k in part}, out / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 @pytest.mark.parametrize("make,files", [
-    pytest.param(_gpt2, dict(max_shard_size="20KB"), id="gpt2-tied-sharded-safetensors"),
-    pytest.param(_llama, dict(safe_serialization=False, max_shard_size="20KB"), id="llama-gqa-sharded-bin"),
-    pytest.param(_llama, {}, id="llama-gqa-safetensors"),
-    pytest.param(_qwen2, dict(safe_serialization=False), id="qwen2-tied-bin"),
+    pytest.param(_gpt2, "sharded-safetensors", id="gpt2-tied-sharded-safetensors"),
+    pytest.param(_llama, "sharded-bin", id="llama-gqa-sharded-bin"),
+    pytest.param(_llama, "safetensors", id="llama-gqa-safetensors"),
+    pytest.param(_qwen2, "bin", id="qwen2-tied-bin"),
+    pytest.param(_gpt2, "legacy-bin", id="gpt2-legacy-bin"),
 ])
 def test_every_parameter_equals_the_conversion_of_the_model_in_memory(tmp_path, make, files):
     torch.manual_seed(0)
     model = make()
-    model.save_pretrained(tmp_path / "hf", **files)
+    _save(model, tmp_path / "hf", files)
+    suffix = ".bin" if "bin" in files else ".safetensors"
+    assert any(p.suffix == suffix for p in (tmp_path / "hf").iterdir())
     cfg, want = from_hf(model)
     got_cfg, weights, _ = open_hf(tmp_path / "hf")
     assert got_cfg == cfg
     assert weights.shapes == {k: tuple(v.shape) for k, v in want.items()}
-    # In the model's order (as a rank builds it), twice over one name, then all at once.
+    # In the model's order (as a rank builds it), each name asked for twice (as ZeRO-3's tiles
+    # ask): each block read once, the rest (embeddings; final norm and output layer) twice.
+    read = []
+    reader = weights._read
+    weights._read = lambda group: read.append(group) or reader(group)
     order = [name for name, _ in build_model(cfg, "meta").named_parameters()]
-    for name in [*order, order[1], *(["lm_head.weight"] if cfg.tie_embeddings else [])]:
+    for name in [n for n in order for _ in range(2)]:
         got = weights[name]
         assert got.dtype == torch.float32 and got.is_contiguous()
         torch.testing.assert_close(got, want[name].float(), rtol=0, atol=0, msg=name)
+    assert read == [None, *range(cfg.n_layers), None]
     whole = read_hf(tmp_path / "hf")[1]
     assert whole.keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(whole[name], value.float(), rtol=0, atol=0, msg=name)
+
+
+def test_a_file_removed_while_the_model_is_built_is_still_read(tmp_path):
+    """The files stay open from the check to the last weight: a download replacing them
+    meanwhile does not fail a rank halfway through its model."""
+    torch.manual_seed(0)
+    model = _llama()
+    _save(model, tmp_path / "hf", "sharded-safetensors")
+    _, weights, _ = open_hf(tmp_path / "hf")
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        shard.unlink()
+    want = from_hf(model)[1]
+    for name in weights:
+        torch.testing.assert_close(weights[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_source_that_is_no_weights_is_one_error_naming_it(tmp_path):
+    torch.manual_seed(0)
+    model = _llama()
+    _save(model, tmp_path / "hf", "safetensors")
+    (tmp_path / "hf/model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    run = resolve_model(from_hf(model)[0], 97, 32)
+    with pytest.raises(InitFromError, match=r"cannot read its weights \(SafetensorError: .*download"):
+        load_initial_weights(str(tmp_path / "hf"), run, print)
+
+
+def test_a_weight_that_cannot_be_read_while_building_names_the_source_and_the_weight():
+    class Failing(dict):
+        def __getitem__(self, name):
+            raise OSError(5, "Input/output error")
+
+    initial = InitialWeights(Failing(), "/models/llama")
+    with pytest.raises(SourceReadError, match=r"checkpoint.init_from='/models/llama': reading norm.weight "
+                                              r"failed: OSError: \[Errno 5\] Input/output error"):
+        initial.value("norm.weight", (32,))
 
 
 def test_a_missing_tensor_is_named_before_any_weight_is_read(tmp_path):
@@ -78,13 +150,13 @@ def test_a_missing_tensor_is_named_before_any_weight_is_read(tmp_path):
 
 
 PEAK = """
-import os, sys, torch
+import sys, torch
 from megatron_lite.checkpoint.hf_source import open_hf
 from megatron_lite.model import build_model
 
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident():  # the process's own memory (the files' mapped pages are the page cache's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 cfg, weights, _ = open_hf(sys.argv[1])
 names = [name for name, _ in build_model(cfg, "meta").named_parameters()]
@@ -98,8 +170,9 @@ print(peak)
 
 
 def test_a_rank_reading_in_its_models_order_holds_one_block_at_a_time(tmp_path):
-    """16 blocks of 6 MB each (fp32), about 100 MB in all: what the process holds grows by a
-    small part of that while it reads them (reading the whole would hold all of it at least)."""
+    """16 blocks of 6 MB each (fp32), about 100 MB in all: the process's own memory grows by a
+    small part of that while it reads them (reading the whole would hold all of it at least).
+    The files' pages it maps are the page cache's, shared by a node's ranks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
