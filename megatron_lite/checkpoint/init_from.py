@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from megatron_lite.checkpoint import store
 from megatron_lite.config.schema import ModelConfig
@@ -57,6 +56,8 @@ class InitialWeights:
     def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """The full initial value of parameter ``name`` of ``shape``: the source's, its
         vocabulary rows padded with zeros to the run's padded vocabulary."""
+        from safetensors import SafetensorError  # transformers' (read only with a Hugging Face source)
+
         try:
             w = self.weights[name]
         except (OSError, RuntimeError, SafetensorError) as e:
@@ -130,6 +131,8 @@ def mismatches(source: ModelConfig, shapes: Mapping[str, tuple[int, ...]], run: 
 def load_initial_weights(path: str, run: ModelConfig, log: Callable[[str], None]) -> InitialWeights:
     """The weights of ``checkpoint.init_from`` for the resolved model ``run``, checked: every
     mismatch is refused at once, in one error listing all of them."""
+    from safetensors import SafetensorError
+
     source_path = Path(path)
     try:
         source, weights, shapes = read_source(source_path)
