@@ -75,6 +75,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
                 self.mapped.update(tensors)
                 meta.update({key: torch.empty(t.shape, device="meta") for key, t in tensors.items()})
         self.meta = meta
+        self.hf_group = {key: _group(_HF_BLOCK, key) for key in meta}  # the block of each source tensor
         try:
             converted = convert(meta, cfg)
         except KeyError as e:
@@ -113,8 +114,8 @@ class HFWeights(Mapping[str, torch.Tensor]):
         """Our parameters of ``group``: its source tensors read, the rest left on meta, the
         conversion run over all of them, and the group's results taken."""
         source = dict(self.meta)
-        for key in self.meta:
-            if _group(_HF_BLOCK, key) == group:
+        for key, its in self.hf_group.items():
+            if its == group:
                 source[key] = self.mapped[key] if key in self.mapped else self.opened[key].get_tensor(key)
         out = {}
         for name, value in self.convert(source, self.cfg).items():

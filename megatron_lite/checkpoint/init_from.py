@@ -72,7 +72,7 @@ def is_hf_directory(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / store.MANIFEST).is_file()
 
 
-Shapes = dict[str, tuple[int, ...]]
+Shapes = Mapping[str, tuple[int, ...]]
 
 
 def read_source(path: Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Shapes]:
@@ -87,7 +87,7 @@ def read_source(path: Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Sh
         cfg, weights, _ = open_hf(path)
         if cfg.tie_embeddings:
             weights.drop("lm_head.weight")
-        return cfg, weights, dict(weights.shapes)
+        return cfg, weights, weights.shapes
     from megatron_lite.checkpoint.convert import read_model
 
     _, cfg, whole = read_model(path)
@@ -104,7 +104,7 @@ def field_differences(source: ModelConfig, run: ModelConfig) -> list[str]:
             for f in fields if value[f](run) != value[f](source)]
 
 
-def mismatches(source: ModelConfig, shapes: Mapping[str, tuple[int, ...]], run: ModelConfig) -> list[str]:
+def mismatches(source: ModelConfig, shapes: Shapes, run: ModelConfig) -> list[str]:
     """Every reason the run's model (resolved: padded vocabulary, tokenizer rows) cannot start
     from weights of ``shapes`` (by name): each field the weights fix that differs
     (``field_differences``), then each missing, extra or differently shaped parameter, one line

@@ -108,7 +108,7 @@ class SavePolicy:
             since = (f"the last good checkpoint is step {self.last_good[0]}; {fixed} resumes from it "
                      f"and trains the {step - self.last_good[0]} steps after it again")
         raise UnsavedEnd(f"training reached its last step ({step}) but could not save it "
-                              f"({self.failures} save(s) in a row failed; the errors are above): {since}")
+                         f"({self.failures} save(s) in a row failed; the errors are above): {since}")
 
     def warn_if_old(self, step: int, consumed_samples: int) -> None:
         if not self.failures:

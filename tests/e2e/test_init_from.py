@@ -126,3 +126,16 @@ def test_a_mismatching_recipe_is_refused_listing_every_parameter(hf_llama, tmp_p
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"error: checkpoint.init_from='{tmp_path}/empty': "), lines
+
+    # A download cut short (a weight file that is no safetensors): one line, exit 2, nothing built.
+    import shutil
+
+    shutil.copytree(hf_llama, tmp_path / "cut")
+    weights = tmp_path / "cut/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    proc = run_pretrain(["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *LLAMA, *FROZEN,
+                         f"checkpoint.dir={tmp_path}/ck-cut", f"checkpoint.init_from={tmp_path}/cut"])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "cannot read its weights (SafetensorError" in lines[0] and "download the model again" in lines[0]
+    assert not (tmp_path / "ck-cut").exists()
