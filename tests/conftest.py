@@ -74,10 +74,8 @@ test_wandb_continuity)."""
 def run_worker_script(worker: Path, out: Path, nproc: int, args: list[str]) -> None:
     """``worker OUT ARGS...`` in one process, or under torchrun on ``nproc`` ranks; fails the
     test with the end of its output unless every rank exits 0."""
-    cmd = [sys.executable, str(worker), str(out), *args]
-    if nproc > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                    "--master-port", str(_free_port())]
+    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
+    cmd = [*launcher, str(worker), str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -87,8 +85,15 @@ def pretrain_command(args: list[str], nproc: int = 1) -> list[str]:
         args = [*args, NO_TENSORBOARD]
     if nproc == 1:
         return [sys.executable, str(REPO / "pretrain.py"), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), str(REPO / "pretrain.py"), *args]
+    return [*torchrun(nproc), str(REPO / "pretrain.py"), *args]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """torchrun on this machine with ``nproc`` ranks. ``--standalone``: the launcher's store
+    binds a free port itself (port 0) and its ranks rendezvous through it. A port chosen first
+    and bound later can be taken meanwhile by any process on the machine (the other test
+    worker's ranks, an outgoing connection), failing the run with EADDRINUSE."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600,
@@ -153,11 +158,27 @@ def kill_tree(pid: int) -> None:
 
 
 def _free_port() -> int:
+    """A port that is free now, for launches that must be told one (several nodes, ranks started
+    by hand, DeepSpeed's launcher); ``torchrun`` above needs none. Drawn below the kernel's
+    ephemeral range: the ports the kernel hands out on its own (to outgoing connections, to
+    ``bind`` on port 0) never come from there, so between this choice and the launch only another
+    such draw could take it."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range after 100 draws")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -55,12 +54,6 @@ def first_slurm_host(nodelist: str) -> str:
     return m.group(1) + (m.group(2) or "")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """The launch environment described by ``env`` (default: ``os.environ``)."""
     env = os.environ if env is None else env
@@ -97,9 +90,10 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     addr = addr or "127.0.0.1"
     port = get("MASTER_PORT")
     if port is None:
-        # A lone process picks a free port so that several can run side by side; launched jobs
-        # need one agreed port.
-        port = str(_free_port()) if launcher == "none" else "29500"
+        # A lone process lets its store's server bind any free port (port 0), so that several
+        # can run side by side: choosing a free port first and binding it later leaves a window
+        # in which another process can take it (EADDRINUSE). Launched jobs need one agreed port.
+        port = "0" if launcher == "none" else "29500"
     # Without a count from the launcher, assume the whole job is on one node.
     return LaunchEnv(int(rank), int(local), int(world), addr, int(port), launcher,
                      int(local_size or world))

@@ -14,13 +14,12 @@ import time
 
 import psutil
 
-from tests.conftest import REPO, _free_port, char_overrides, check, cpu_env, pretrain_command, run_pretrain
+from tests.conftest import REPO, char_overrides, check, cpu_env, pretrain_command, run_pretrain, torchrun
 from tests.dist_harness.checks import DEVICE_ROLE, HOST_ROLE
 
 
 def _torchrun(script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), str(REPO / script), *args]
+    return [*torchrun(2), str(REPO / script), *args]
 
 
 def _args(tmp) -> list[str]:

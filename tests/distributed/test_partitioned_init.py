@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, _free_port, cpu_env
+from tests.conftest import REPO, cpu_env, torchrun
 
 WORKER = REPO / "tests/distributed/partitioned_init_worker.py"
 MODEL = ["model.n_layers=8", "model.d_model=512", "model.n_heads=8", "training.global_batch_size=2"]
 
 
 def _build(out: Path, *args: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), str(WORKER), str(out), *MODEL, *args],
+    proc = subprocess.run([*torchrun(2), str(WORKER), str(out), *MODEL, *args],
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]

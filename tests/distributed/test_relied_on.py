@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from megatron_lite.engine.internals import RELIED_ON
-from tests.conftest import REPO, _free_port, cpu_env
+from tests.conftest import REPO, cpu_env, torchrun
 
 BUILT = [(where, name) for where, name in RELIED_ON if where.startswith("built ")]
 # The optimizer DeepSpeed wraps the torch optimizer in, per kind: the kinds are what they claim.
@@ -26,9 +25,8 @@ ABSENT = ("built zero3.engine.optimizer", "no_such_attribute")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("relied_on") / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), "tests/distributed/relied_on_worker.py",
-                           str(out), *ABSENT], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+    proc = subprocess.run([*torchrun(2), "tests/distributed/relied_on_worker.py", str(out), *ABSENT],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

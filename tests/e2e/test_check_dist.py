@@ -7,12 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO, _free_port, cpu_env
+from tests.conftest import REPO, _free_port, cpu_env, torchrun
 
 
 def _run(script: str, nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), str(REPO / script), *args]
+    cmd = [*torchrun(nproc), str(REPO / script), *args]
     return subprocess.run(cmd, cwd=REPO, env={**cpu_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=300)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cpu_env
+from tests.conftest import REPO, _free_port, cpu_env
 
 DOCS = ("README.md", "docs/getting-started.md")
 CHEAP = re.compile(r"(^python (pretrain\.py|tools/\S+|launch/ray_train\.py) "
@@ -79,8 +79,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(line: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    # launch/polaris.sh's own default port (29500) is any other run's on a shared machine.
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env={**_env(), "MASTER_PORT": str(_free_port())},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 ALL = [(doc, line) for doc in DOCS for line in commands(doc)]
