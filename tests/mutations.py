@@ -88,6 +88,13 @@ MUTATIONS = [
              "                engine.set_gradient_accumulation_boundary(last)", "                pass",
              ("tests/e2e/test_batch_rampup.py::"
               "test_a_ramped_run_trains_megatrons_batches_in_every_layout_and_resumes_exactly",)),
+    Mutation("init-from-checkpoint-whole", "a rank starting from a checkpoint of this project holds one "
+             "of its parameters at a time, not the whole model", "megatron_lite/checkpoint/convert.py",
+             "        self._names = sorted(assembler.names())",
+             "        self._names = sorted(assembler.names())\n"
+             "        self._whole = [assembler.full(name, 'param') for name in self._names]",
+             ("tests/unit/test_checkpoint_source.py::"
+              "test_a_rank_reading_in_its_models_order_holds_one_parameter_at_a_time",)),
 ]
 
 

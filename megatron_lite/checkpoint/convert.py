@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,46 @@ def resolve(path: Path) -> Path:
     return latest
 
 
+class CheckpointWeights(Mapping[str, torch.Tensor]):
+    """A verified checkpoint's full fp32 weights by plain-model name, each assembled from its
+    fragments when asked for: the rank files are memory-mapped, so a reader (each rank of a run
+    starting from the checkpoint) holds the parameter it asked for, not the whole model."""
+
+    def __init__(self, path: Path, assembler: Assembler, vocab_size: int):
+        self.path, self._assembler, self._vocab = path, assembler, vocab_size
+        self._names = sorted(assembler.names())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._assembler.names():
+            raise KeyError(name)
+        try:
+            full = self._assembler.full(name, "param")
+        except (KeyError, ValueError) as e:  # a piece its fragments leave uncovered
+            raise store.CheckpointError(f"{self.path}: {e}") from None
+        # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
+        return full[:self._vocab] if name in VOCAB_PARAMETERS else full
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape as ``self[name]`` has it, without assembling it."""
+        shape = self._assembler.shape(name)
+        return (min(shape[0], self._vocab), *shape[1:]) if name in VOCAB_PARAMETERS else shape
+
+
 def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
-    """(manifest, model config, full fp32 weights by plain-model name) of a verified checkpoint.
+    """(manifest, model config, full fp32 weights by plain-model name) of a verified checkpoint,
+    the whole model assembled (``open_model`` assembles each weight when it is asked for)."""
+    manifest, cfg, weights = open_model(path)
+    return manifest, cfg, dict(weights.items())
+
+
+def open_model(path: Path) -> tuple[dict, ModelConfig, CheckpointWeights]:
+    """(manifest, model config, its weights, assembled when read) of a verified checkpoint.
     The manifest's model fields are compared with the shapes its fragments record before any
     weight is assembled: a field that does not describe them is refused by name."""
     path = resolve(path)
@@ -83,13 +121,7 @@ def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
     if problem:
         raise store.CheckpointError(f"{path / store.MANIFEST}: {problem}; restore the manifest (or "
                                     "export the checkpoint it belongs to)")
-    try:
-        # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
-        weights = {name: assembler.full(name, "param")[:cfg.vocab_size] if name in VOCAB_PARAMETERS
-                   else assembler.full(name, "param") for name in sorted(assembler.names())}
-    except (KeyError, ValueError) as e:
-        raise store.CheckpointError(f"{path}: {e}") from None
-    return manifest, cfg, weights
+    return manifest, cfg, CheckpointWeights(path, assembler, cfg.vocab_size)
 
 
 def _architecture_problem(cfg: ModelConfig, assembler: Assembler) -> str | None:

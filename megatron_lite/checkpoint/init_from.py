@@ -7,7 +7,8 @@ Each rank reads the weights on the host as ``materialize`` asks for them, parame
 parameter, and copies its slice of each, so every layout (tensor, pipeline, ZeRO-3, HSDP,
 tiling) starts from them exactly as it starts from the seeded initial values. A Hugging Face
 source is read one block at a time (``hf_source``: a rank holds one block of it, a pipeline stage
-reads only its own blocks); a checkpoint of this project is assembled whole first.
+reads only its own blocks); a checkpoint of this project one parameter at a time, assembled from
+its memory-mapped rank files (``convert.open_model``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 
 def read_source(path: Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Shapes]:
-    """The source model's config, its full fp32 weights by plain-model name (a Hugging Face
-    model's read when asked for) and their shapes (a tied model has no ``lm_head.weight``)."""
+    """The source model's config, its full fp32 weights by plain-model name (each read when
+    asked for) and their shapes (a tied model has no ``lm_head.weight``)."""
     if not path.exists():
         raise InitFromError(f"checkpoint.init_from={str(path)!r} does not exist (give a checkpoint "
                             "directory of this project, a checkpoint.dir, or a Hugging Face model directory)")
@@ -88,10 +89,10 @@ def read_source(path: Path) -> tuple[ModelConfig, Mapping[str, torch.Tensor], Sh
         if cfg.tie_embeddings:
             weights.drop("lm_head.weight")
         return cfg, weights, weights.shapes
-    from megatron_lite.checkpoint.convert import read_model
+    from megatron_lite.checkpoint.convert import open_model
 
-    _, cfg, whole = read_model(path)
-    return cfg, whole, {name: tuple(w.shape) for name, w in whole.items()}
+    _, cfg, weights = open_model(path)
+    return cfg, weights, {name: weights.shape(name) for name in weights}
 
 
 def field_differences(source: ModelConfig, run: ModelConfig) -> list[str]:
