@@ -51,16 +51,24 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path, assembler: Assembler, vocab_size: int):
         self.path, self._assembler, self._vocab = path, assembler, vocab_size
         self._names = sorted(assembler.names())
+        # The last one assembled, kept until another is asked for: ZeRO-3's tiles each ask for
+        # their parameter whole.
+        self._last: tuple[str, torch.Tensor] | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
         if name not in self._assembler.names():
             raise KeyError(name)
+        self._last = None
         try:
             full = self._assembler.full(name, "param")
         except (KeyError, ValueError) as e:  # a piece its fragments leave uncovered
             raise store.CheckpointError(f"{self.path}: {e}") from None
         # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
-        return full[:self._vocab] if name in VOCAB_PARAMETERS else full
+        value = full[:self._vocab] if name in VOCAB_PARAMETERS else full
+        self._last = (name, value)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -65,6 +65,7 @@ def test_each_parameter_read_when_asked_equals_the_whole_read(tmp_path):
     for name, value in whole.items():
         assert lazy.shape(name) == tuple(value.shape)
         torch.testing.assert_close(lazy[name], value, rtol=0, atol=0)
+        assert lazy[name] is lazy[name]  # asked again (ZeRO-3's tiles): assembled once
     initial = load_initial_weights(str(ck), cfg, lambda _: None)
     weight = "blocks.1.mlp.gate_up_proj.weight"
     torch.testing.assert_close(initial.value(weight, whole[weight].shape), whole[weight], rtol=0, atol=0)
