@@ -89,12 +89,22 @@ MUTATIONS = [
              ("tests/e2e/test_batch_rampup.py::"
               "test_a_ramped_run_trains_megatrons_batches_in_every_layout_and_resumes_exactly",)),
     Mutation("init-from-checkpoint-whole", "a rank starting from a checkpoint of this project holds one "
-             "of its parameters at a time, not the whole model", "megatron_lite/checkpoint/convert.py",
+             "of its parameters at a time, not the whole model", "megatron_lite/checkpoint/mapped.py",
              "        self._names = sorted(assembler.names())",
              "        self._names = sorted(assembler.names())\n"
              "        self._whole = [assembler.full(name, 'param') for name in self._names]",
              ("tests/unit/test_checkpoint_source.py::"
               "test_a_rank_reading_in_its_models_order_holds_one_parameter_at_a_time",)),
+    Mutation("checkpoint-values-unchecked", "a checkpoint's gaps and non-finite weights are refused when "
+             "it is opened, before anything is built", "megatron_lite/checkpoint/convert.py",
+             "            assembler.check_values(name)", "            pass",
+             ("tests/unit/test_checkpoint_source.py::"
+              "test_a_gap_or_a_non_finite_weight_is_refused_when_the_checkpoint_is_opened",)),
+    Mutation("mapped-files-unchecked", "a weight file changed in place while the model is built is an "
+             "error naming it, not a crash or other weights", "megatron_lite/checkpoint/mapped.py",
+             "        for file in files:\n            dev, ino, size, mtime = self._seen[file]",
+             "        for file in ():\n            dev, ino, size, mtime = self._seen[file]",
+             ("tests/unit/test_checkpoint_source.py::test_a_rank_file_changed_while_the_model_is_built",)),
 ]
 
 

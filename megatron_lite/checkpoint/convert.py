@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,10 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.checkpointer import architecture
 from megatron_lite.checkpoint.hf_source import open_hf
 from megatron_lite.checkpoint.manifest import listed_file, read_manifest, verify
+from megatron_lite.checkpoint.mapped import CheckpointWeights, MappedFiles
 from megatron_lite.checkpoint.shards import Assembler, Fragment, file_fragments, shape_mismatches
 from megatron_lite.config.schema import ModelConfig
 from megatron_lite.model import build_model
-from megatron_lite.model.transformer import VOCAB_PARAMETERS
 
 # Model fields outside ``ModelConfig.ARCHITECTURE`` that an export needs to compute what the model
 # computes (and to write a config transformers accepts): the RoPE table's or learned positions'
@@ -43,45 +43,6 @@ def resolve(path: Path) -> Path:
     return latest
 
 
-class CheckpointWeights(Mapping[str, torch.Tensor]):
-    """A verified checkpoint's full fp32 weights by plain-model name, each assembled from its
-    fragments when asked for: the rank files are memory-mapped, so a reader (each rank of a run
-    starting from the checkpoint) holds the parameter it asked for, not the whole model."""
-
-    def __init__(self, path: Path, assembler: Assembler, vocab_size: int):
-        self.path, self._assembler, self._vocab = path, assembler, vocab_size
-        self._names = sorted(assembler.names())
-        # The last one assembled, kept until another is asked for: ZeRO-3's tiles each ask for
-        # their parameter whole.
-        self._last: tuple[str, torch.Tensor] | None = None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if self._last is not None and self._last[0] == name:
-            return self._last[1]
-        if name not in self._assembler.names():
-            raise KeyError(name)
-        self._last = None
-        try:
-            full = self._assembler.full(name, "param")
-        except (KeyError, ValueError) as e:  # a piece its fragments leave uncovered
-            raise store.CheckpointError(f"{self.path}: {e}") from None
-        # The manifest's vocab_size is the tokenizer's; the rows past it are one layout's padding.
-        value = full[:self._vocab] if name in VOCAB_PARAMETERS else full
-        self._last = (name, value)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """``name``'s shape as ``self[name]`` has it, without assembling it."""
-        shape = self._assembler.shape(name)
-        return (min(shape[0], self._vocab), *shape[1:]) if name in VOCAB_PARAMETERS else shape
-
-
 def read_model(path: Path) -> tuple[dict, ModelConfig, dict[str, torch.Tensor]]:
     """(manifest, model config, full fp32 weights by plain-model name) of a verified checkpoint,
     the whole model assembled (``open_model`` assembles each weight when it is asked for)."""
@@ -96,16 +57,20 @@ def open_model(path: Path) -> tuple[dict, ModelConfig, CheckpointWeights]:
     path = resolve(path)
     manifest = read_manifest(path, required=("model", "data"))
     verify(path, manifest)
-    fragments = []
+    fragments, mapped, files_of = [], MappedFiles(), {}
     for entry in manifest["files"]:
         file = listed_file(path, entry)
         state = store.load_rank_file(file)
+        mapped.add(file)
         try:
             if not (isinstance(state, dict) and isinstance(state.get("fragments"), list)):
                 raise ValueError("it holds no list of fragments")
-            fragments += file_fragments(state, file.stat().st_size)
+            held = file_fragments(state, file.stat().st_size)
         except (KeyError, TypeError, ValueError) as e:
             raise store.CheckpointError(f"{file} is not a rank file of this format: {e}") from None
+        fragments += held
+        for f in held:
+            files_of.setdefault(f.name, set()).add(str(file))
     model = manifest["model"]
     heads = model.get("n_heads"), model.get("n_kv_heads") or model.get("n_heads")
     try:
@@ -129,7 +94,14 @@ def open_model(path: Path) -> tuple[dict, ModelConfig, CheckpointWeights]:
     if problem:
         raise store.CheckpointError(f"{path / store.MANIFEST}: {problem}; restore the manifest (or "
                                     "export the checkpoint it belongs to)")
-    return manifest, cfg, CheckpointWeights(path, assembler, cfg.vocab_size)
+    try:
+        # Every weight is there and finite before a reader builds anything from one of them
+        # (all ranks alike: found while building, one rank would fail alone).
+        for name in assembler.by_name:
+            assembler.check_values(name)
+    except ValueError as e:
+        raise store.CheckpointError(f"{path}: {e}") from None
+    return manifest, cfg, CheckpointWeights(path, assembler, cfg.vocab_size, mapped, files_of)
 
 
 def _architecture_problem(cfg: ModelConfig, assembler: Assembler) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_lite.checkpoint.mapped import MappedFiles
 from megatron_lite.config.schema import ModelConfig
 
 Convert = Callable[[Mapping[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
@@ -60,16 +61,21 @@ class HFWeights(Mapping[str, torch.Tensor]):
         # meanwhile (a new download) cannot fail a rank halfway through its model.
         self.opened: dict[str, Any] = {}  # tensor name -> its safetensors file, open
         self.mapped: dict[str, torch.Tensor] = {}  # .bin files' tensors, memory-mapped
+        # Each mapped file, checked for a change in place before its tensors are read.
+        self.files, self.file_of = MappedFiles(), {}
         meta: dict[str, torch.Tensor] = {}
         for file in files:
             if file.suffix == ".safetensors":
                 f = safe_open(str(file), framework="pt")
+                self.files.add(file)
                 for key in f.keys():  # noqa: SIM118 (not a dict)
-                    self.opened[key] = f
+                    self.opened[key], self.file_of[key] = f, str(file)
                     meta[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
             else:
                 try:  # mapped: a tensor's pages are read when its group is
                     tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                    self.files.add(file)
+                    self.file_of.update(dict.fromkeys(tensors, str(file)))
                 except RuntimeError:  # a file of torch's legacy format cannot be mapped
                     tensors = torch.load(file, map_location="cpu", weights_only=True)
                 self.mapped.update(tensors)
@@ -114,9 +120,10 @@ class HFWeights(Mapping[str, torch.Tensor]):
         """Our parameters of ``group``: its source tensors read, the rest left on meta, the
         conversion run over all of them, and the group's results taken."""
         source = dict(self.meta)
-        for key, its in self.hf_group.items():
-            if its == group:
-                source[key] = self.mapped[key] if key in self.mapped else self.opened[key].get_tensor(key)
+        keys = [key for key, its in self.hf_group.items() if its == group]
+        self.files.check(sorted({self.file_of[key] for key in keys if key in self.file_of}))
+        for key in keys:
+            source[key] = self.mapped[key] if key in self.mapped else self.opened[key].get_tensor(key)
         out = {}
         for name, value in self.convert(source, self.cfg).items():
             if name in self.shapes and _group(_OUR_BLOCK, name) == group:

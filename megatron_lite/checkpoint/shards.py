@@ -238,6 +238,30 @@ class Assembler:
             raise ValueError(not_covered(name, key))
         return full
 
+    def check_values(self, name: str) -> None:
+        """Before any weight is assembled: the fragments of ``name`` (a name they record) cover
+        each of its pieces from end to end, and its weights are finite; ``ValueError`` naming
+        it. (Counting elements alone lets a fragment shifted over its neighbour leave a gap.)"""
+        frags = self.by_name[name]
+        self._check_extent(name, frags)
+        by_piece: dict[tuple[Cut, ...], list[Fragment]] = {}
+        for f in frags:
+            by_piece.setdefault(f.cuts, []).append(f)
+        for group in by_piece.values():
+            end = 0
+            for f in sorted(group, key=lambda f: f.start):
+                if f.start > end:
+                    break
+                end = max(end, f.start + f.numel)
+            if end < math.prod(group[0].slice_shape):
+                raise ValueError(not_covered(name))
+        for f in frags:
+            for chunk in f.tensors["param"].split(1 << 22):
+                if not bool(torch.isfinite(chunk).all()):
+                    raise ValueError(f"the checkpoint's '{name}' holds weights that are not finite "
+                                     "(NaN or infinite): it was saved after its run diverged; use an "
+                                     "earlier checkpoint")
+
     def _check_extent(self, name: str, frags: list[Fragment]) -> None:
         """Before anything is allocated for ``name``: its pieces and the whole are no larger than
         the elements its fragments hold (which their files' real sizes bound), so a recorded

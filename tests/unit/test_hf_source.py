@@ -187,3 +187,28 @@ def test_a_rank_reading_in_its_models_order_holds_one_block_at_a_time(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     grown = int(proc.stdout.split()[-1])
     assert total > 90e6 and grown < total / 4, (grown, total)
+
+
+CUT = """
+import os, sys
+from pathlib import Path
+from megatron_lite.checkpoint.hf_source import open_hf
+cfg, weights, _ = open_hf(sys.argv[1])
+file = Path(sys.argv[1]) / "model.safetensors"
+os.truncate(file, file.stat().st_size // 2)
+try:
+    for name in weights:
+        weights[name]
+except OSError as e:
+    print("ERROR", type(e).__name__, e)
+"""
+
+
+def test_a_file_cut_short_while_the_model_is_built_is_named_not_a_crash(tmp_path):
+    """Its pages are mapped: read, the missing ones would kill the process (SIGBUS)."""
+    _save(_llama(), tmp_path / "hf", "safetensors")
+    proc = subprocess.run([sys.executable, "-c", CUT, str(tmp_path / "hf")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert f"ERROR FileChangedError {tmp_path / 'hf' / 'model.safetensors'} was cut short" in proc.stdout, \
+        proc.stdout
