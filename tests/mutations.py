@@ -88,6 +88,11 @@ MUTATIONS = [
              "                engine.set_gradient_accumulation_boundary(last)", "                pass",
              ("tests/e2e/test_batch_rampup.py::"
               "test_a_ramped_run_trains_megatrons_batches_in_every_layout_and_resumes_exactly",)),
+    Mutation("cpu-info-read-each-time", "a rank loading ZeRO-Offload's CPU Adam reads the CPU once, not "
+             "three times (a Python process each)", "megatron_lite/optim/optimizer.py",
+             "        ask_cpu_info_once()  # CPU Adam's load asks three times, a second each",
+             "        pass",
+             ("tests/unit/test_cpu_extensions.py::test_zero_offloads_cpu_adam_reads_the_cpu_once_per_process",)),
     Mutation("init-from-checkpoint-whole", "a rank starting from a checkpoint of this project holds one "
              "of its parameters at a time, not the whole model", "megatron_lite/checkpoint/mapped.py",
              "        self._names = sorted(assembler.names())",

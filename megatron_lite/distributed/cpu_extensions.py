@@ -11,10 +11,13 @@ leaves the file behind and every later run hangs on it. Torch offers no stalenes
 directory has not changed for ``STALE_AFTER_S`` is reported with its path and the fix.
 
 ``build()`` builds the CPU ops ahead of any run (``make install`` calls it).
+``ask_cpu_info_once`` keeps CPU Adam's load from reading the CPU three times.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import sys
 import time
@@ -126,6 +129,27 @@ def guard_op_builds(log: Callable[[str], None]) -> None:
     before_every_op_build(guard)
 
 
+def ask_cpu_info_once() -> None:
+    """From now on in this process, py-cpuinfo's ``get_cpu_info`` answers with its first result.
+    Each of its calls starts a Python process to read the CPU (about a second of a two-core
+    machine), and DeepSpeed asks three times in every rank that loads CPU Adam (the op's build
+    flags twice, CPU Adam's vendor check once): ZeRO-Offload's start, on every rank. The CPU does
+    not change under a running process, and py-cpuinfo keeps no answer of its own."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed reads lscpu instead
+        return
+    if getattr(cpuinfo.get_cpu_info, "_asked_once", False):
+        return
+    first = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(first())  # a caller may change its copy
+
+    get_cpu_info.__doc__, get_cpu_info._asked_once = first.__doc__, True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def build(nvme: bool = True) -> None:
     """Build the op now (as a run would, into the same directory), DeepSpeed's CPU Adam and,
     where libaio exists and ``nvme``, its NVMe ops, which ZeRO-Offload
@@ -133,6 +157,7 @@ def build(nvme: bool = True) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_environment_extensions_dir()
     guard_op_builds(print)
+    ask_cpu_info_once()
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
 
     ShareMemCommBuilder().load()

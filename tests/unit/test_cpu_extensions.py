@@ -1,9 +1,12 @@
-"""DeepSpeed's CPU op build lock: a live build is waited for (and said so), a stale lock is named."""
+"""DeepSpeed's CPU op build lock: a live build is waited for (and said so), a stale lock is named;
+CPU Adam's load reads the CPU once."""
 
 import os
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +158,25 @@ def test_the_guard_uses_the_build_directory_a_build_names(tmp_path, monkeypatch)
     assert built == ["any_op"]
     assert said == [f"building DeepSpeed's any_op op in {lock.parent} (once per environment; a "
                     "minute or more)"]
+
+
+def test_zero_offloads_cpu_adam_reads_the_cpu_once_per_process(monkeypatch):
+    """py-cpuinfo starts a Python process at every call (a second each): DeepSpeed asks three
+    times as CPU Adam loads. Built here as a ZeRO-Offload run builds it: one read."""
+    import cpuinfo
+    import torch
+
+    from megatron_lite.config.schema import OptimizerConfig
+    from megatron_lite.optim.optimizer import build_optimizer
+
+    real, calls = cpuinfo.get_cpu_info(), []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or dict(real))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # Where make install built the op, as a run finds it (use_environment_extensions_dir).
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    opt = build_optimizer(torch.nn.Linear(4, 4), OptimizerConfig(), "cpu", offloaded=True)
+    assert type(opt).__name__ == "DeepSpeedCPUAdam"
+    assert len(calls) == 1
+    answer = cpuinfo.get_cpu_info()
+    answer["flags"] = []  # a caller's change stays in its copy
+    assert cpuinfo.get_cpu_info() == real and len(calls) == 1
