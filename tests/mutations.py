@@ -88,6 +88,10 @@ MUTATIONS = [
              "                engine.set_gradient_accumulation_boundary(last)", "                pass",
              ("tests/e2e/test_batch_rampup.py::"
               "test_a_ramped_run_trains_megatrons_batches_in_every_layout_and_resumes_exactly",)),
+    Mutation("pipeline-bf16-output-layer-cleared", "a bf16 pipeline without ZeRO trains its last stage's "
+             "output layer (DeepSpeed's bf16 optimizer clears it when the backward starts)",
+             "megatron_lite/engine/pipeline.py", "    opt.backward_prologue = lambda: None\n", "",
+             ("tests/distributed/test_pipeline_bf16.py::test_a_bf16_pipeline_trains_as_one_process",)),
     Mutation("cpu-info-read-each-time", "a rank loading ZeRO-Offload's CPU Adam reads the CPU once, not "
              "three times (a Python process each)", "megatron_lite/optim/optimizer.py",
              "        ask_cpu_info_once()  # CPU Adam's load asks three times, a second each",

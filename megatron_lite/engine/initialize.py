@@ -16,6 +16,7 @@ from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals
 from megatron_lite.engine.config import deepspeed_config
 from megatron_lite.engine.mpu import ModelParallelUnit
+from megatron_lite.engine.pipeline import keep_output_layer_gradient
 from megatron_lite.engine.versions import GAS_SCALING_ALWAYS, deepspeed_version
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.optim.schedule import LRSchedule, ScheduledLR
@@ -79,6 +80,8 @@ def patch_engine(engine, cfg: Config, dims: ParallelDims) -> None:
     zero = cfg.parallel.deepspeed_zero_stage
     if dims.pipeline > 1 and zero == 0:
         internals.keep_clipped_norm(engine)
+        if cfg.training.precision == "bf16" and dims.pp_rank == dims.pipeline - 1:
+            keep_output_layer_gradient(engine)
     if zero == 0:
         internals.drop_gradients_from_a_list(engine)
     if (dims.pipeline == 1 and zero == 0 and dims.data == 1 and dims.sequence == 1

@@ -30,6 +30,7 @@ from megatron_lite.model.attention_math import additive_mask, math_attention, ma
 #   "built ROOT.path"   an attribute of a real object: tests/distributed/relied_on_worker.py builds
 #                       DeepSpeed engines of each kind (ROOT: fp32, bf16, zero1, zero3, pipe,
 #                       pipe_bf16; each with .engine, .param, .init, .scheduler) and steps them;
+#                       ``pipe_bf16_prologue`` is pipe_bf16 where its optimizer has a backward_prologue;
 #                       ``unfused`` is the bf16 one where the release wraps it in
 #                       FP16_UnfusedOptimizer (0.16 does not: BF16_Optimizer)
 #   "attr MODULE:QUAL"  an attribute of a module, class or function
@@ -73,6 +74,10 @@ RELIED_ON = (
     ("built zero1.engine.optimizer", "_hp_optimizer_states_linked"),
     ("built pipe_bf16.engine.optimizer", "_global_grad_norm"),
     ("built pipe_bf16.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
+    # Where the bf16 optimizer clears its gradients when a backward starts (from 0.17; ROOT
+    # pipe_bf16_prologue): engine/pipeline.py, keep_output_layer_gradient.
+    ("built pipe_bf16_prologue.engine.optimizer", "backward_epilogue"),
+    ("built pipe_bf16_prologue.engine.optimizer", "clear_lp_grads"),
     ("built unfused.engine.optimizer", "fp16_groups"),
     ("built unfused.engine.optimizer", "fp32_groups"),
     # (Also where no release here builds it for bf16 on a CPU: fp16 at ZeRO 0 gets it too.)

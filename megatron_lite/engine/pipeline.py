@@ -33,6 +33,30 @@ def loss_scale(dims: ParallelDims, grad_accum: int) -> float:
     return scale
 
 
+def keep_output_layer_gradient(engine) -> None:
+    """The last stage of a pipeline in bf16 without ZeRO: DeepSpeed's bf16 optimizer (from 0.17)
+    clears the bf16 gradients when each backward pass starts (its ``backward_prologue``), which
+    a hook on the engine's module output runs. The output layer runs after that output, in the
+    engine's loss function, so its gradient is there before the hook fires and was cleared with
+    the rest: the layer never trained. Cleared after each backward pass instead, once the
+    optimizer has added them to its fp32 gradients (``backward_epilogue``): the same gradients
+    at the start of the next pass, the output layer's kept. (Releases before 0.17 have no
+    prologue and clear them before the pass.)"""
+    opt = engine.optimizer
+    if not hasattr(opt, "backward_prologue"):
+        return
+    epilogue = opt.backward_epilogue
+
+    def backward_epilogue(update_hp_grads: bool = True, **kwargs):
+        result = epilogue(update_hp_grads=update_hp_grads, **kwargs)
+        if update_hp_grads:  # now in the fp32 gradients
+            opt.clear_lp_grads()
+        return result
+
+    opt.backward_prologue = lambda: None
+    opt.backward_epilogue = backward_epilogue
+
+
 def pipeline_module(stage: Transformer, dims: ParallelDims, tied: bool, train_scale: float) -> nn.Module:
     """The DeepSpeed ``PipelineModule`` around this rank's ``stage`` (``keep_stage``);
     ``tied``: the model ties its embedding and output layer; ``train_scale``: the factor its

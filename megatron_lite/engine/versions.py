@@ -27,25 +27,6 @@ ULYSSES_ANY_LOCAL_HEADS = Version("0.18.3")
 BF16_NONFINITE_SKIPPED = Version("0.19.8")
 
 
-# On 0.19.8 the pipeline engine's bf16 optimizer (bf16 without ZeRO) never receives the last
-# stage's output-layer gradient: that layer does not train, the gradient norm is low, and the
-# loss falls behind one process's (a pipeline of 2 stages, 8 steps: 4.07 against 3.73). Correct on
-# 0.16.1; the releases between are untested, so from 0.17 the combination is refused. ZeRO-1
-# (DeepSpeed's ZeRO optimizer under the pipeline) trains correctly on both.
-PIPELINE_BF16_HEAD_UNTRAINED = Version("0.17")
-
-
-def pipeline_bf16_problem(pipeline: int, precision: str, zero_stage: int) -> str | None:
-    """Why this release cannot train a pipeline in bf16 without ZeRO, or None."""
-    if pipeline > 1 and precision == "bf16" and zero_stage == 0 and \
-            deepspeed_version() >= PIPELINE_BF16_HEAD_UNTRAINED:
-        return (f"parallel.pipeline={pipeline} with training.precision=bf16 at parallel.zero_stage=0 does "
-                f"not train the output layer on DeepSpeed {deepspeed_version()} (its bf16 optimizer never "
-                "receives the last stage's output-layer gradient): set parallel.zero_stage=1, which "
-                "trains correctly (and holds no more memory at data-parallel size 1)")
-    return None
-
-
 def deepspeed_version() -> Version:
     """The installed release (a vendor fork's local label, e.g. ``0.16.1+hpu``, is kept)."""
     return Version(importlib.metadata.version("deepspeed"))

@@ -15,9 +15,8 @@ import torch
 from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.data.batch_plan import BatchPlan, batch_plan, planned_steps
 from megatron_lite.distributed import device as devmod
-from megatron_lite.distributed.parallel_dims import ParallelDims, TopologyError
+from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
-from megatron_lite.engine.versions import pipeline_bf16_problem
 from megatron_lite.model import flops_per_token, require_document_end, resolve_model
 from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
@@ -95,9 +94,6 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
     problem = devmod.float8_problem(acc) if cfg.model.fp8 else None
     if problem:  # before anything is built
         raise ValueError(problem)
-    problem = pipeline_bf16_problem(dims.pipeline, cfg.training.precision, cfg.parallel.deepspeed_zero_stage)
-    if problem:
-        raise TopologyError(problem)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor, eod)
     require_document_end(model_cfg, cfg.data.eod_mask_loss)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there

@@ -102,8 +102,9 @@ OTHER_PRIVATE = {
                                          "get_draining_nodes", None)),
 }
 ACCESSORS = ("getattr", "hasattr", "setattr", "delattr")
-# Private names of the package's own (set on objects of its own making).
-OURS = {"_runs_op_build_hook", "_exit", "_asdict"}  # (os._exit and NamedTuple._asdict are documented)
+# Private names of the package's own (set on objects of its own making; os._exit and
+# NamedTuple._asdict are documented).
+OURS = {"_runs_op_build_hook", "_asked_once", "_exit", "_asdict"}
 
 
 def _private(name: object) -> bool:
