@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config.schema import Config
+from megatron_lite.distributed.cpu_extensions import ask_cpu_info_once
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.distributed.shard_spec import spec
 from megatron_lite.engine import internals
@@ -60,6 +61,8 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     import deepspeed
 
     offloaded = cfg.parallel.offload_optimizer != "none"
+    if cfg.parallel.offload_params != "none":  # NVMe's op reads the CPU too (CPU Adam: below)
+        ask_cpu_info_once()
     # The plain model's shapes: a parameter partitioned at its initialisation (ZeRO-3) is flat.
     optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded,
                                 lambda p: spec(p).full_shape)

@@ -21,18 +21,19 @@ def _records(run_dir):
 
 def test_a_bf16_pipeline_trains_as_one_process(tmp_path):
     base = ["recipes/shakespeare-char.yaml", *char_overrides(tmp_path), *RUN]
-    check(run_pretrain([*base, f"logging.dir={tmp_path}/one"]))
-    check(run_pretrain([*base, "parallel.pipeline=2", "parallel.zero_stage=1", f"logging.dir={tmp_path}/pp2"],
-                       nproc=2))
-    one, pp2 = _records(tmp_path / "one"), _records(tmp_path / "pp2")
+    # The reference: one process through ZeRO-1's bf16 optimizer (one process at ZeRO-0 goes
+    # through DeepSpeed's FP16_UnfusedOptimizer, which drifts further from fp32 than either).
+    check(run_pretrain([*base, "parallel.zero_stage=1", f"logging.dir={tmp_path}/one"]))
+    for zero in (1, 0):
+        check(run_pretrain([*base, "parallel.pipeline=2", f"parallel.zero_stage={zero}",
+                            f"logging.dir={tmp_path}/pp2-zero{zero}"], nproc=2))
+    one, zero1, zero0 = (_records(tmp_path / d) for d in ("one", "pp2-zero1", "pp2-zero0"))
     # bf16 rounds differently in each layout: close, not equal. The bug was a norm 20% low from
     # the first step (the output layer's gradient missing) and losses 0.3 apart by step 8.
-    for a, b in zip(one, pp2, strict=True):
+    for a, b in [*zip(one, zero1, strict=True), *zip(one, zero0, strict=True)]:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.03), a["step"]
         assert b["loss"] == pytest.approx(a["loss"], rel=0.01), a["step"]
-
-    check(run_pretrain([*base, "parallel.pipeline=2", "parallel.zero_stage=0", f"logging.dir={tmp_path}/z0"],
-                       nproc=2))
-    for a, b in zip(one, _records(tmp_path / "z0"), strict=True):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.03), a["step"]
-        assert b["loss"] == pytest.approx(a["loss"], rel=0.01), a["step"]
+    # Both pipelines hold fp32 masters of the same bf16 weights: all but equal.
+    for a, b in zip(zero1, zero0, strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-3), a["step"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), a["step"]
