@@ -92,6 +92,11 @@ MUTATIONS = [
              "output layer (DeepSpeed's bf16 optimizer clears it when the backward starts)",
              "megatron_lite/engine/pipeline.py", "    opt.backward_prologue = lambda: None\n", "",
              ("tests/distributed/test_pipeline_bf16.py::test_a_bf16_pipeline_trains_as_one_process",)),
+    Mutation("nvme-without-libaio-unchecked", "NVMe offload on a machine without libaio is refused at start "
+             "with the fix", "megatron_lite/training/build.py",
+             "devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params)", "None",
+             ("tests/e2e/test_pretrain_cli.py::"
+              "test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_built",)),
     Mutation("cpu-info-read-each-time", "a rank loading ZeRO-Offload's CPU Adam reads the CPU once, not "
              "three times (a Python process each)", "megatron_lite/optim/optimizer.py",
              "        ask_cpu_info_once()  # CPU Adam's load asks three times, a second each",

@@ -180,6 +180,21 @@ def float8_problem(acc) -> str | None:
     return f"'model.fp8' = true: torchao's float8 training does not run on {kind}; set model.fp8=false"
 
 
+def nvme_problem(acc, offload_optimizer: str, offload_params: str) -> str | None:
+    """Why NVMe offload cannot run on this machine, or None. DeepSpeed's async-I/O op compiles
+    against libaio; without it the run fails in the engine's first swap, after the model is built,
+    with "Unable to JIT load the async_io op"."""
+    settings = [f"parallel.{key}=nvme" for key, where in (("offload_optimizer", offload_optimizer),
+                                                           ("offload_params", offload_params))
+                if where == "nvme"]
+    builder = acc.create_op_builder("AsyncIOBuilder") if settings else None
+    if builder is None or builder.is_compatible(verbose=False):
+        return None
+    return (f"{' and '.join(settings)} needs DeepSpeed's async-I/O op, which cannot be built here: "
+            "libaio's headers and library are missing (apt install libaio-dev, or conda install -c "
+            "conda-forge libaio; then make install builds the op), or offload to 'cpu'")
+
+
 def peak_flops(name: str, precision: str) -> float | None:
     """Peak FLOP/s of a device by name, or None when unknown (then MFU is not reported)."""
     spec = device_spec(name)

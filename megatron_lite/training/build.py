@@ -15,6 +15,7 @@ import torch
 from megatron_lite.config.schema import Config, ModelConfig
 from megatron_lite.data.batch_plan import BatchPlan, batch_plan, planned_steps
 from megatron_lite.distributed import device as devmod
+from megatron_lite.distributed.collectives import on_every_rank
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
 from megatron_lite.model import flops_per_token, require_document_end, resolve_model
@@ -91,9 +92,15 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
     ``initial`` gives by name (None: the seeded initial values), put the device's and the
     recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine, whose
     schedule plans for ``iters`` steps."""
-    problem = devmod.float8_problem(acc) if cfg.model.fp8 else None
-    if problem:  # before anything is built
-        raise ValueError(problem)
+    def refuse_what_this_machine_cannot_run() -> None:
+        p = cfg.parallel
+        for problem in (devmod.float8_problem(acc) if cfg.model.fp8 else None,
+                        devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params)):
+            if problem:
+                raise devmod.DeviceError(problem)
+
+    # Before anything is built; on every rank if on any (nodes may differ).
+    on_every_rank(refuse_what_this_machine_cannot_run, dims, "checking the machine for the recipe's features")
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor, eod)
     require_document_end(model_cfg, cfg.data.eod_mask_loss)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there

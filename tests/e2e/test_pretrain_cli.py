@@ -298,3 +298,19 @@ def test_a_signal_before_training_is_a_one_line_reason(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+
+
+def test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_built(tmp_path):
+    """Without libaio DeepSpeed's async-I/O op cannot be built: refused at start (exit 2, one line
+    with the fix), not in the engine's first swap with DeepSpeed's "Unable to JIT load"."""
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("libaio is installed here: the op builds (tests/distributed/test_layouts.py trains it)")
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "parallel.zero_stage=3",
+                         "parallel.offload_params=nvme", f"parallel.nvme_path={tmp_path}/nvme"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: parallel.offload_params=nvme needs DeepSpeed's async-I/O op") \
+        and "apt install libaio-dev" in line, line
+    assert not (tmp_path / "nvme").exists()

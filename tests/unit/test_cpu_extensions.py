@@ -1,5 +1,5 @@
 """DeepSpeed's CPU op build lock: a live build is waited for (and said so), a stale lock is named;
-CPU Adam's load reads the CPU once."""
+CPU Adam's load reads the CPU once; NVMe offload without libaio is refused at start."""
 
 import os
 import re
@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,3 +181,24 @@ def test_zero_offloads_cpu_adam_reads_the_cpu_once_per_process(monkeypatch):
     answer = cpuinfo.get_cpu_info()
     answer["flags"] = []  # a caller's change stays in its copy
     assert cpuinfo.get_cpu_info() == real and len(calls) == 1
+
+
+def test_nvme_offload_is_refused_where_the_async_io_op_cannot_build():
+    from megatron_lite.distributed.device import nvme_problem
+
+    class Accelerator:
+        def __init__(self, libaio: bool):
+            self.libaio, self.asked = libaio, []
+
+        def create_op_builder(self, name: str):
+            self.asked.append(name)
+            return SimpleNamespace(is_compatible=lambda verbose: self.libaio)
+
+    without = Accelerator(libaio=False)
+    said = nvme_problem(without, "nvme", "nvme")
+    assert said.startswith("parallel.offload_optimizer=nvme and parallel.offload_params=nvme needs "
+                           "DeepSpeed's async-I/O op") and "apt install libaio-dev" in said, said
+    assert without.asked == ["AsyncIOBuilder"]
+    assert nvme_problem(Accelerator(libaio=True), "none", "nvme") is None
+    unasked = Accelerator(libaio=False)
+    assert nvme_problem(unasked, "cpu", "none") is None and unasked.asked == []
