@@ -61,8 +61,8 @@ def build_engine(model: nn.Module, cfg: Config, dims: ParallelDims, total_iters:
     import deepspeed
 
     offloaded = cfg.parallel.offload_optimizer != "none"
-    if cfg.parallel.offload_params != "none":  # NVMe's op reads the CPU too (CPU Adam: below)
-        ask_cpu_info_once()
+    if offloaded or cfg.parallel.offload_params != "none":
+        ask_cpu_info_once()  # CPU Adam's load and the NVMe op's read the CPU, a second each time
     # The plain model's shapes: a parameter partitioned at its initialisation (ZeRO-3) is flat.
     optimizer = build_optimizer(model, cfg.optimizer, device_type, adamw, offloaded,
                                 lambda p: spec(p).full_shape)

@@ -33,9 +33,6 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
     if offloaded:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from megatron_lite.distributed.cpu_extensions import ask_cpu_info_once
-
-        ask_cpu_info_once()  # CPU Adam's load asks three times, a second each
         return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 adamw_mode=True)
     if adamw is not None:

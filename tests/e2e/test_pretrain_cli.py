@@ -314,3 +314,30 @@ def test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_
     assert line.startswith("error: parallel.offload_params=nvme needs DeepSpeed's async-I/O op") \
         and "apt install libaio-dev" in line, line
     assert not (tmp_path / "nvme").exists()
+
+
+COUNT_CPU_READS = """
+import runpy, sys, cpuinfo
+real, calls = cpuinfo.get_cpu_info, []
+def counted():
+    calls.append(1)
+    return real()
+cpuinfo.get_cpu_info = counted
+import atexit
+atexit.register(lambda: print(f"cpu read {len(calls)} time(s)", file=sys.stderr))
+sys.argv = ["pretrain.py", *sys.argv[1:]]
+runpy.run_path("pretrain.py", run_name="__main__")
+"""
+
+
+def test_a_zero_offload_rank_reads_the_cpu_once(tmp_path):
+    """DeepSpeed asks py-cpuinfo three times as CPU Adam loads, and each answer is a Python
+    process of its own (a second of each rank's start): asked once."""
+    script = tmp_path / "count_cpu_reads.py"
+    script.write_text(COUNT_CPU_READS)
+    proc = subprocess.run([sys.executable, str(script), RECIPE, *char_overrides(tmp_path), "training.iters=1",
+                           "training.eval_iters=1", "training.sample_tokens=0", "parallel.zero_stage=1",
+                           "parallel.offload_optimizer=cpu"],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cpu read 1 time(s)" in proc.stderr, proc.stderr[-2000:]
