@@ -134,8 +134,8 @@ def ask_cpu_info_once() -> None:
     Each of its calls starts a Python process to read the CPU (about a second of a two-core
     machine), and DeepSpeed asks three times in every rank that loads CPU Adam (the op's build
     flags twice, CPU Adam's vendor check once) and twice for the async-I/O op (NVMe offload):
-    ZeRO-Offload's start, on every rank. The CPU does
-    not change under a running process, and py-cpuinfo keeps no answer of its own."""
+    ZeRO-Offload's start, on every rank. The CPU does not change under a running process, and
+    py-cpuinfo keeps no answer of its own."""
     try:
         import cpuinfo
     except ImportError:  # a DeepSpeed requirement; without it, nothing asks

@@ -188,11 +188,19 @@ def nvme_problem(acc, offload_optimizer: str, offload_params: str) -> str | None
                                                            ("offload_params", offload_params))
                 if where == "nvme"]
     builder = acc.create_op_builder("AsyncIOBuilder") if settings else None
-    if builder is None or builder.is_compatible(verbose=False):
+    if builder is None or _prebuilt(builder.name) or builder.is_compatible(verbose=False):
         return None
     return (f"{' and '.join(settings)} needs DeepSpeed's async-I/O op, which cannot be built here: "
             "libaio's headers and library are missing (apt install libaio-dev, or conda install -c "
             "conda-forge libaio; then make install builds the op), or offload to 'cpu'")
+
+
+def _prebuilt(op: str) -> bool:
+    """Whether DeepSpeed was installed with ``op`` compiled (``DS_BUILD_*=1``): then it loads it
+    without building it, where libaio's headers may be missing."""
+    from deepspeed.git_version_info import installed_ops
+
+    return bool(installed_ops.get(op, False))
 
 
 def peak_flops(name: str, precision: str) -> float | None:

@@ -172,7 +172,9 @@ def test_the_cpu_is_read_once_per_process(monkeypatch):
     assert cpuinfo.get_cpu_info() == real and len(calls) == 1
 
 
-def test_nvme_offload_is_refused_where_the_async_io_op_cannot_build():
+def test_nvme_offload_is_refused_where_the_async_io_op_cannot_build(monkeypatch):
+    import deepspeed.git_version_info as installed
+
     from megatron_lite.distributed.device import nvme_problem
 
     class Accelerator:
@@ -181,7 +183,7 @@ def test_nvme_offload_is_refused_where_the_async_io_op_cannot_build():
 
         def create_op_builder(self, name: str):
             self.asked.append(name)
-            return SimpleNamespace(is_compatible=lambda verbose: self.libaio)
+            return SimpleNamespace(name="async_io", is_compatible=lambda verbose: self.libaio)
 
     without = Accelerator(libaio=False)
     said = nvme_problem(without, "nvme", "nvme")
@@ -191,3 +193,6 @@ def test_nvme_offload_is_refused_where_the_async_io_op_cannot_build():
     assert nvme_problem(Accelerator(libaio=True), "none", "nvme") is None
     unasked = Accelerator(libaio=False)
     assert nvme_problem(unasked, "cpu", "none") is None and unasked.asked == []
+    # DeepSpeed installed with the op compiled (DS_BUILD_AIO=1) loads it without building it.
+    monkeypatch.setitem(installed.installed_ops, "async_io", True)
+    assert nvme_problem(Accelerator(libaio=False), "nvme", "none") is None
