@@ -145,6 +145,10 @@ engine_module.deepspeed_version = lambda: Version("0.16.1+hpu")  # Habana's fork
 model = build_parallel_model(resolve_model(cfg.model, None, 32, 1), dims, "cpu", 1234, "parameters")
 assert build_engine(model, cfg, dims, 3, "cpu").enable_backward_allreduce is True
 print("equal")
+from megatron_lite.distributed.startup import shutdown_distributed
+from megatron_lite.training.entry import exit_process
+shutdown_distributed(dims)
+exit_process(0)  # as pretrain.py: no interpreter finalization after the groups are gone (a rare abort)
 """
 
 
