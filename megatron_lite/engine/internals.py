@@ -74,7 +74,7 @@ RELIED_ON = (
     ("built zero1.engine.optimizer", "_hp_optimizer_states_linked"),
     ("built pipe_bf16.engine.optimizer", "_global_grad_norm"),
     ("built pipe_bf16.engine.optimizer", "_lazy_init_hp_params_optimizer_state"),
-    # Where the bf16 optimizer clears its gradients when a backward starts (from 0.17; ROOT
+    # Where the bf16 optimizer clears its gradients when a backward starts (from 0.18.3; ROOT
     # pipe_bf16_prologue): engine/pipeline.py, keep_output_layer_gradient.
     ("built pipe_bf16_prologue.engine.optimizer", "backward_epilogue"),
     ("built pipe_bf16_prologue.engine.optimizer", "clear_lp_grads"),

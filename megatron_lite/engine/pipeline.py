@@ -34,13 +34,13 @@ def loss_scale(dims: ParallelDims, grad_accum: int) -> float:
 
 
 def keep_output_layer_gradient(engine) -> None:
-    """The last stage of a pipeline in bf16 without ZeRO: DeepSpeed's bf16 optimizer (from 0.17)
+    """The last stage of a pipeline in bf16 without ZeRO: DeepSpeed's bf16 optimizer (from 0.18.3)
     clears the bf16 gradients when each backward pass starts (its ``backward_prologue``), which
     a hook on the engine's module output runs. The output layer runs after that output, in the
     engine's loss function, so its gradient is there before the hook fires and was cleared with
     the rest: the layer never trained. Cleared after each backward pass instead, once the
     optimizer has added them to its fp32 gradients (``backward_epilogue``): the same gradients
-    at the start of the next pass, the output layer's kept. (Releases before 0.17 have no
+    at the start of the next pass, the output layer's kept. (Releases before 0.18.3 have no
     prologue and clear them before the pass.)"""
     opt = engine.optimizer
     if not hasattr(opt, "backward_prologue"):

@@ -26,6 +26,14 @@ ULYSSES_ANY_LOCAL_HEADS = Version("0.18.3")
 # being skipped (ZeRO 1-3 skip it on every release).
 BF16_NONFINITE_SKIPPED = Version("0.19.8")
 
+# From 0.18.3 until 0.19.6 the pipeline engine's gradients do not match one process's: the
+# gradient norm reads up to twice the true one (so clipping and the logged norm are wrong; the
+# losses stay close because Adam hardly sees a scale), measured on 0.18.3, 0.18.5, 0.18.9,
+# 0.19.0, 0.19.4 and 0.19.5 against 0.18.2, 0.19.6, 0.19.7 and 0.19.8 (tests/distributed/
+# layout_worker.py, pp2 against one process). Without ZeRO, 0.18.3 and 0.18.4 also stop at the
+# first backward ("Direct calls to tensor.backward() are not supported").
+PIPELINE_GRADIENTS_WRONG = (Version("0.18.3"), Version("0.19.6"))
+
 
 def deepspeed_version() -> Version:
     """The installed release (a vendor fork's local label, e.g. ``0.16.1+hpu``, is kept)."""
@@ -45,6 +53,17 @@ def ulysses_head_problems(n_heads: int, n_kv_heads: int, ulysses: int, tensor: i
                             f"needs a multiple of {ulysses} there (DeepSpeed >= {ULYSSES_ANY_LOCAL_HEADS} "
                             "does not)")
     return problems
+
+
+def pipeline_problem(pipeline: int) -> str | None:
+    """Why this release cannot train a pipeline correctly, or None."""
+    low, fixed = PIPELINE_GRADIENTS_WRONG
+    if pipeline > 1 and low <= deepspeed_version() < fixed:
+        return (f"parallel.pipeline={pipeline} does not train correctly on DeepSpeed {deepspeed_version()}: "
+                f"from {low} until {fixed} its pipeline engine's gradients differ from one process's "
+                f"(the gradient norm, and so clipping, is off by up to 2x): pip install "
+                f"'deepspeed>={fixed}' (or '<{low}'), or train without parallel.pipeline")
+    return None
 
 
 def limitations(precision: str, zero_stage: int) -> list[str]:

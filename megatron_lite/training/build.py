@@ -18,6 +18,7 @@ from megatron_lite.distributed import device as devmod
 from megatron_lite.distributed.collectives import on_every_rank
 from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
+from megatron_lite.engine.versions import pipeline_problem
 from megatron_lite.model import flops_per_token, require_document_end, resolve_model
 from megatron_lite.model.float8 import convert_blocks_to_float8
 from megatron_lite.parallel import build_parallel_model
@@ -95,7 +96,8 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
     def refuse_what_this_machine_cannot_run() -> None:
         p = cfg.parallel
         for problem in (devmod.float8_problem(acc) if cfg.model.fp8 else None,
-                        devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params)):
+                        devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params),
+                        pipeline_problem(p.pipeline)):
             if problem:
                 raise devmod.DeviceError(problem)
 

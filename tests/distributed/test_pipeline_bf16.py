@@ -1,5 +1,5 @@
 """A pipeline trains in bf16 as one process does, through ZeRO-1 and without ZeRO. (Without
-ZeRO, DeepSpeed's bf16 optimizer from 0.17 cleared the last stage's output-layer gradient before
+ZeRO, DeepSpeed's bf16 optimizer from 0.18.3 cleared the last stage's output-layer gradient before
 the step: the layer never trained, and the run went on, worse: engine/pipeline.py,
 keep_output_layer_gradient.)"""
 

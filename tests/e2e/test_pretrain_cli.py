@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import (
+    NO_TENSORBOARD,
     RECIPE_ALLOCATION,
     REPO,
     char_overrides,
@@ -21,6 +22,7 @@ from tests.conftest import (
     pretrain_main,
     read_metrics,
     run_pretrain,
+    torchrun,
 )
 
 RECIPE = "recipes/shakespeare-char.yaml"
@@ -314,6 +316,38 @@ def test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_
     assert line.startswith("error: parallel.offload_params=nvme needs DeepSpeed's async-I/O op") \
         and "apt install libaio-dev" in line, line
     assert not (tmp_path / "nvme").exists()
+
+
+PRETEND_DEEPSPEED = """
+import runpy, sys
+from packaging.version import Version
+from megatron_lite.engine import versions
+pretended = Version(sys.argv.pop(1))
+versions.deepspeed_version = lambda: pretended
+sys.argv = ["pretrain.py", *sys.argv[1:]]
+runpy.run_path("pretrain.py", run_name="__main__")
+"""
+
+
+def test_a_pipeline_on_a_deepspeed_whose_pipeline_is_wrong_is_refused_on_every_rank(tmp_path):
+    """From 0.18.3 until 0.19.6 DeepSpeed's pipeline engine trains with other gradients than one
+    process (the norm up to 2x: versions.PIPELINE_GRADIENTS_WRONG, measured on those releases):
+    refused before anything is built, the line once, both ranks out (here pretending 0.19.5; the
+    releases on each side of the range train)."""
+    script = tmp_path / "pretend_deepspeed.py"
+    script.write_text(PRETEND_DEEPSPEED)
+    args = [RECIPE, *char_overrides(tmp_path), "training.iters=1", "training.eval_iters=1",
+            "training.sample_tokens=0", "parallel.pipeline=2"]
+    proc = subprocess.run([*torchrun(2), str(script), "0.19.5", *args, NO_TENSORBOARD], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: parallel.pipeline=2 does not train correctly on DeepSpeed 0.19.5: from 0.18.3 "
+                      "until 0.19.6 its pipeline engine's gradients differ from one process's (the gradient "
+                      "norm, and so clipping, is off by up to 2x): pip install 'deepspeed>=0.19.6' (or "
+                      "'<0.18.3'), or train without parallel.pipeline"], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr  # the refusal's status, not a crash's
+    assert not list(tmp_path.glob("**/step_*"))
 
 
 COUNT_CPU_READS = """

@@ -132,6 +132,24 @@ def test_ulysses_head_counts_older_deepspeed_cannot_run_are_named(monkeypatch):
     assert deepspeed_versions.ulysses_head_problems(4, 2, 2) == []
 
 
+@pytest.mark.parametrize("release, refused", [("0.16.1", False), ("0.18.2", False), ("0.18.3", True),
+                                             ("0.18.5+hpu", True), ("0.19.5", True), ("0.19.6", False),
+                                             ("0.19.8", False)])
+def test_a_pipeline_is_refused_where_its_gradients_are_wrong(monkeypatch, release, refused):
+    """The range measured (versions.PIPELINE_GRADIENTS_WRONG): pp2 against one process differed
+    on 0.18.3 to 0.19.5 and matched on 0.18.2 and 0.19.6 to 0.19.8; a vendor's label is kept."""
+    from packaging.version import Version
+
+    from megatron_lite.engine import versions as deepspeed_versions
+
+    monkeypatch.setattr(deepspeed_versions, "deepspeed_version", lambda: Version(release))
+    assert deepspeed_versions.pipeline_problem(1) is None
+    problem = deepspeed_versions.pipeline_problem(4)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert problem.startswith(f"parallel.pipeline=4 does not train correctly on DeepSpeed {release}: ")
+
+
 @pytest.mark.parametrize("overrides, device, noted", [
     (["training.precision=bf16", "parallel.zero_stage=0"], "cuda", True),
     (["training.precision=fp16", "parallel.zero_stage=0", "parallel.pipeline=2"], "cuda", True),
