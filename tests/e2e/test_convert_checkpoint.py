@@ -20,8 +20,18 @@ LLAMA = ["model.position=rope", "model.norm=rmsnorm", "model.activation=swiglu",
 
 
 def _convert(*args):
-    return check(subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *args],
-                                cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600))
+    """tools/convert_checkpoint.py ARGS in this process (a process's start-up is most of a small
+    conversion; the tests below that read its error lines run it as a process)."""
+    import contextlib
+    import io
+
+    from tools.convert_checkpoint import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([str(a) for a in args])
+    return check(subprocess.CompletedProcess(["tools/convert_checkpoint.py", *args], status,
+                                             out.getvalue(), err.getvalue()))
 
 
 def test_hf_export_matches_our_logits_and_imports_back(tmp_path):
