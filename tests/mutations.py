@@ -97,6 +97,11 @@ MUTATIONS = [
              "devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params)", "None",
              ("tests/e2e/test_pretrain_cli.py::"
               "test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_built",)),
+    Mutation("pipeline-on-wrong-deepspeed-unchecked", "a pipeline is refused at start on the DeepSpeed "
+             "releases whose pipeline gradients are wrong", "megatron_lite/training/build.py",
+             "pipeline_problem(p.pipeline)", "None",
+             ("tests/e2e/test_pretrain_cli.py::"
+              "test_a_pipeline_on_a_deepspeed_whose_pipeline_is_wrong_is_refused_on_every_rank",)),
     Mutation("cpu-info-read-each-time", "a rank loading ZeRO-Offload's CPU Adam reads the CPU once, not "
              "three times (a Python process each)", "megatron_lite/engine/initialize.py",
              "        ask_cpu_info_once()  # CPU Adam's load", "        pass  # CPU Adam's load",
