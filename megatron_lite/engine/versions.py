@@ -29,7 +29,7 @@ BF16_NONFINITE_SKIPPED = Version("0.19.8")
 # From 0.18.3 until 0.19.6 the pipeline engine's gradients do not match one process's: the
 # gradient norm reads up to twice the true one (so clipping and the logged norm are wrong; the
 # losses stay close because Adam hardly sees a scale), measured on 0.18.3, 0.18.5, 0.18.9,
-# 0.19.0, 0.19.4 and 0.19.5 against 0.18.2, 0.19.6, 0.19.7 and 0.19.8 (tests/distributed/
+# 0.19.0, 0.19.4 and 0.19.5 against 0.17.6, 0.18.2, 0.19.6, 0.19.7 and 0.19.8 (tests/distributed/
 # layout_worker.py, pp2 against one process). Without ZeRO, 0.18.3 and 0.18.4 also stop at the
 # first backward ("Direct calls to tensor.backward() are not supported").
 PIPELINE_GRADIENTS_WRONG = (Version("0.18.3"), Version("0.19.6"))
