@@ -92,7 +92,7 @@ def main() -> None:
     optimizers = {k: type(r.engine.optimizer).__name__ for k, r in roots.items()}
     # bf16 at ZeRO 0: FP16_UnfusedOptimizer in newer releases, BF16_Optimizer in 0.16.
     roots["unfused"] = roots["bf16"] if optimizers["bf16"] == "FP16_UnfusedOptimizer" else None
-    # The bf16 optimizer clears its gradients when a backward starts from 0.17, not in 0.16.
+    # The bf16 optimizer clears its gradients when a backward starts from 0.18.3, not before.
     prologue = hasattr(roots["pipe_bf16"].engine.optimizer, "backward_prologue")
     roots["pipe_bf16_prologue"] = roots["pipe_bf16"] if prologue else None
     entries = [*RELIED_ON, *zip(extra[::2], extra[1::2], strict=True)]
