@@ -86,14 +86,10 @@ def unfused_wrapper_note(cfg: Config, device_type: str) -> str | None:
             "at data parallel 1, holds the same memory")
 
 
-def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
-          eod: int | None = None, initial: InitialValue | None = None) -> Components:
-    """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``)
-    and the tokenizer's end-of-document id ``eod`` (None: ``model.eod_id``), from the weights
-    ``initial`` gives by name (None: the seeded initial values), put the device's and the
-    recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine, whose
-    schedule plans for ``iters`` steps."""
-    def refuse_what_this_machine_cannot_run() -> None:
+def refuse_what_this_machine_cannot_run(cfg: Config, dims: ParallelDims, acc) -> None:
+    """Collective: raise ``DeviceError`` on every rank if any rank's machine (its device, its
+    libraries, its DeepSpeed release) cannot run the recipe's features (nodes may differ)."""
+    def check() -> None:
         p = cfg.parallel
         for problem in (devmod.float8_problem(acc) if cfg.model.fp8 else None,
                         devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params),
@@ -101,8 +97,19 @@ def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
             if problem:
                 raise devmod.DeviceError(problem)
 
-    # Before anything is built; on every rank if on any (nodes may differ).
-    on_every_rank(refuse_what_this_machine_cannot_run, dims, "checking the machine for the recipe's features")
+    on_every_rank(check, dims, "checking the machine for the recipe's features")
+
+
+def build(cfg: Config, dims: ParallelDims, acc, vocab: int | None, iters: int,
+          eod: int | None = None, initial: InitialValue | None = None, checked: bool = False) -> Components:
+    """Build this rank's part of the model for ``vocab`` token ids (None: ``model.vocab_size``)
+    and the tokenizer's end-of-document id ``eod`` (None: ``model.eod_id``), from the weights
+    ``initial`` gives by name (None: the seeded initial values), put the device's and the
+    recipe's kernels into it, compile it when asked and wrap it in the DeepSpeed engine, whose
+    schedule plans for ``iters`` steps. ``checked``: the caller already ran
+    ``refuse_what_this_machine_cannot_run`` (a run does, before its data)."""
+    if not checked:  # before anything is built
+        refuse_what_this_machine_cannot_run(cfg, dims, acc)
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_length, dims.tensor, eod)
     require_document_end(model_cfg, cfg.data.eod_mask_loss)
     torch.manual_seed(rank_seed(cfg.training.seed, dims))  # which dropout masks agree: see there

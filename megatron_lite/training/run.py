@@ -33,7 +33,7 @@ from megatron_lite.model import (
     padding_parameters,
     resolve_model,
 )
-from megatron_lite.training.build import build
+from megatron_lite.training.build import build, refuse_what_this_machine_cannot_run
 from megatron_lite.training.trainer import RunResult, Trainer
 
 FINISHED_FILE = "finished.json"
@@ -134,6 +134,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
             emit_line(msg)
 
     ds_config = deepspeed_config(cfg, dims)  # a contradicting deepspeed: block fails before any work
+    refuse_what_this_machine_cannot_run(cfg, dims, acc)  # and what this machine cannot run
     if cfg.eval.harness_tasks:  # lm_eval and the tasks, before any work
         on_every_rank(lambda: _check_tasks(cfg), dims, "checking eval.harness_tasks")
     on_one_rank_then_all(lambda: ensure_dataset(cfg.data, log=log), dims, "the dataset build",
@@ -158,7 +159,7 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
             f"{data.tokenizer.vocab_size} ids: the run uses {data.tokenizer.vocab_size}")
     initial = _initial_weights(cfg, model_cfg, dims, log)
     parts = build(cfg, dims, acc, data.tokenizer.vocab_size, iters, data.tokenizer.eod_id,
-                  initial.value if initial is not None else None)
+                  initial.value if initial is not None else None, checked=True)
     del initial  # the host copy of the source's weights, no longer needed
     for note in parts.notes:
         log(note)

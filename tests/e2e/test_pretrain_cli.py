@@ -315,7 +315,7 @@ def test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: parallel.offload_params=nvme needs DeepSpeed's async-I/O op") \
         and "apt install libaio-dev" in line, line
-    assert not (tmp_path / "nvme").exists()
+    assert not (tmp_path / "nvme").exists() and not (tmp_path / "data").exists()  # before any work
 
 
 PRETEND_DEEPSPEED = """
@@ -347,7 +347,8 @@ def test_a_pipeline_on_a_deepspeed_whose_pipeline_is_wrong_is_refused_on_every_r
                       "norm, and so clipping, is off by up to 2x): pip install 'deepspeed>=0.19.6' (or "
                       "'<0.18.3'), or train without parallel.pipeline"], proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr  # the refusal's status, not a crash's
-    assert not list(tmp_path.glob("**/step_*"))
+    # Before any work: no dataset built, no checkpoint.
+    assert not (tmp_path / "data").exists() and not list(tmp_path.glob("**/step_*"))
 
 
 COUNT_CPU_READS = """
