@@ -72,20 +72,30 @@ test_wandb_continuity)."""
 
 
 def run_worker_script(worker: Path, out: Path, nproc: int, args: list[str]) -> None:
-    """``worker OUT ARGS...`` in one process, or under torchrun on ``nproc`` ranks; fails the
+    """``worker OUT ARGS...`` in one process, or on ``nproc`` ranks (``launch_ranks``); fails the
     test with the end of its output unless every rank exits 0."""
-    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
+    launcher = launch_ranks(nproc) if nproc > 1 else [sys.executable]
     cmd = [*launcher, str(worker), str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-def pretrain_command(args: list[str], nproc: int = 1) -> list[str]:
+def pretrain_command(args: list[str], nproc: int = 1, launcher: str = "tests") -> list[str]:
+    """``pretrain.py ARGS`` in one process, or on ``nproc`` ranks started by the tests' launcher
+    (``launch_ranks``) or, with ``launcher="torchrun"``, by torchrun."""
     if not any(a.startswith("logging.tensorboard=") for a in args):
         args = [*args, NO_TENSORBOARD]
     if nproc == 1:
         return [sys.executable, str(REPO / "pretrain.py"), *args]
-    return [*torchrun(nproc), str(REPO / "pretrain.py"), *args]
+    ranks = torchrun(nproc) if launcher == "torchrun" else launch_ranks(nproc)
+    return [*ranks, str(REPO / "pretrain.py"), *args]
+
+
+def launch_ranks(nproc: int) -> list[str]:
+    """``nproc`` ranks on this machine, started and ended as torchrun does, by a launcher that
+    does not import torch (tests/dist_harness/launch.py: a second and a half of CPU less per
+    launch). The tests of what torchrun itself does use ``torchrun``."""
+    return [sys.executable, str(HARNESS / "launch.py"), str(nproc)]
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -97,8 +107,8 @@ def torchrun(nproc: int) -> list[str]:
 
 
 def run_pretrain(args: list[str], nproc: int = 1, timeout: int = 600,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(pretrain_command(args, nproc), cwd=REPO, env={**cpu_env(), **(env or {})},
+                 env: dict[str, str] | None = None, launcher: str = "tests") -> subprocess.CompletedProcess:
+    return subprocess.run(pretrain_command(args, nproc, launcher), cwd=REPO, env={**cpu_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import NO_TENSORBOARD, REPO, check, cpu_env, read_metrics, run_pretrain, torchrun
+from tests.conftest import NO_TENSORBOARD, REPO, check, cpu_env, launch_ranks, read_metrics, run_pretrain
 from tests.distributed.test_checkpoint import _args, _records
 
 
@@ -27,7 +27,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(tmp_path):
                  "checkpoint.async_save=true")
     check(run_pretrain([*full, f"logging.dir={tmp_path}/full"], nproc=2))
     ck = [f"checkpoint.dir={tmp_path}/ck"]
-    cmd = [*torchrun(2), str(REPO / "pretrain.py"), *full, *ck, f"logging.dir={tmp_path}/a",
+    cmd = [*launch_ranks(2), str(REPO / "pretrain.py"), *full, *ck, f"logging.dir={tmp_path}/a",
            NO_TENSORBOARD]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -161,7 +161,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path):
     (ck_dir / "latest").write_text("step_00000002\n")
     ck = [f"checkpoint.dir={ck_dir}", "checkpoint.save_interval=2"]
     for n, crash in enumerate(["after_rank_file:1", "before_latest"]):
-        cmd = [*torchrun(2), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}",
+        cmd = [*launch_ranks(2), str(REPO / "pretrain.py"), *args, *ck, f"logging.dir={tmp_path}/a{n}",
                NO_TENSORBOARD]
         # The kill fires at every save: this run's first save (step 4) is the second one.
         crashed = subprocess.run(cmd, cwd=REPO, env={**cpu_env(), "FAULT_KILL_AT": crash},

@@ -14,12 +14,12 @@ import time
 
 import psutil
 
-from tests.conftest import REPO, char_overrides, check, cpu_env, pretrain_command, run_pretrain, torchrun
+from tests.conftest import REPO, char_overrides, check, cpu_env, launch_ranks, pretrain_command, run_pretrain
 from tests.dist_harness.checks import DEVICE_ROLE, HOST_ROLE
 
 
-def _torchrun(script: str, *args: str) -> list[str]:
-    return [*torchrun(2), str(REPO / script), *args]
+def _launch(script: str, *args: str) -> list[str]:
+    return [*launch_ranks(2), str(REPO / script), *args]
 
 
 def _args(tmp) -> list[str]:
@@ -30,7 +30,7 @@ def _args(tmp) -> list[str]:
 
 
 def test_the_old_raise_together_fails_naming_the_call(tmp_path):
-    proc = subprocess.run(_torchrun("tests/distributed/old_raise_together.py", *_args(tmp_path),
+    proc = subprocess.run(_launch("tests/distributed/old_raise_together.py", *_args(tmp_path),
                                     "training.iters=2", f"logging.dir={tmp_path}/run"),
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -40,7 +40,7 @@ def test_the_old_raise_together_fails_naming_the_call(tmp_path):
 
 
 def test_the_harness_refuses_what_an_accelerator_group_would(tmp_path):
-    proc = subprocess.run(_torchrun("tests/distributed/harness_probe.py", str(tmp_path)), cwd=REPO,
+    proc = subprocess.run(_launch("tests/distributed/harness_probe.py", str(tmp_path)), cwd=REPO,
                           env=cpu_env(), capture_output=True, text=True, timeout=300)
     check(proc)
     for rank in (0, 1):
@@ -207,7 +207,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout_and_says_where_each_rank_w
     assert "in stalled_record (called from _train)" in verdict, report.stdout
     error_line = next(line for line in lines if line.startswith("error: rank 0: the logged loss"))
     assert verdict in error_line, error_line
-    # No rank is left behind (torchrun starts each in a session of its own: the launcher's
+    # No rank is left behind (the launcher starts each in a session of its own: its
     # process group does not hold them).
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert ranks and not alive, alive

@@ -14,7 +14,7 @@ import torch
 
 from megatron_lite.distributed.shard_spec import joined
 from megatron_lite.model.transformer import VOCAB_PARAMETERS
-from tests.conftest import REPO, cpu_env, torchrun
+from tests.conftest import REPO, cpu_env, launch_ranks
 
 WORKER = REPO / "tests/distributed/layout_worker.py"
 
@@ -61,7 +61,7 @@ def run_worker(out, nproc: int, overrides: list[str]) -> list[dict]:
     if nproc == 1:
         cmd = [sys.executable, str(WORKER), str(out), *overrides]
     else:
-        cmd = [*torchrun(nproc), str(WORKER), str(out), *overrides]
+        cmd = [*launch_ranks(nproc), str(WORKER), str(out), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cpu_env, torchrun
+from tests.conftest import REPO, cpu_env, launch_ranks
 
 WORKER = REPO / "tests/distributed/partitioned_init_worker.py"
 MODEL = ["model.n_layers=8", "model.d_model=512", "model.n_heads=8", "training.global_batch_size=2"]
 
 
 def _build(out: Path, *args: str) -> list[dict]:
-    proc = subprocess.run([*torchrun(2), str(WORKER), str(out), *MODEL, *args],
+    proc = subprocess.run([*launch_ranks(2), str(WORKER), str(out), *MODEL, *args],
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from megatron_lite.engine.internals import RELIED_ON
-from tests.conftest import REPO, cpu_env, torchrun
+from tests.conftest import REPO, cpu_env, launch_ranks
 
 BUILT = [(where, name) for where, name in RELIED_ON if where.startswith("built ")]
 # The optimizer DeepSpeed wraps the torch optimizer in, per kind: the kinds are what they claim.
@@ -25,7 +25,7 @@ ABSENT = ("built zero3.engine.optimizer", "no_such_attribute")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("relied_on") / "report.json"
-    proc = subprocess.run([*torchrun(2), "tests/distributed/relied_on_worker.py", str(out), *ABSENT],
+    proc = subprocess.run([*launch_ranks(2), "tests/distributed/relied_on_worker.py", str(out), *ABSENT],
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

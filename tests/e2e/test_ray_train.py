@@ -191,7 +191,7 @@ def files_holding(text: str, *roots: Path) -> list[Path]:
 def test_ray_cluster_matches_torchrun_resumes_after_a_kill_and_saves_when_stopped(tmp_path, cluster):
     address, records = cluster.address, cluster.records
 
-    check(run_pretrain(recipe(tmp_path, "torchrun"), nproc=2))
+    check(run_pretrain(recipe(tmp_path, "torchrun"), nproc=2, launcher="torchrun"))
     reference = losses(read_metrics(tmp_path / "torchrun"))
     assert sorted(reference) == list(range(1, ITERS + 1))
 
