@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda s, f: stop(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda s, f: stop(signal.SIGINT))
     failed: tuple[int, int] | None = None
-    while any(p.poll() is None for p in ranks):
+    while [p.poll() for p in ranks].count(None):  # every rank polled, each time
         if failed is None:
             failed = next(((r, p.returncode) for r, p in enumerate(ranks)
                            if p.returncode not in (None, 0)), None)
