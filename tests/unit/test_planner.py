@@ -376,3 +376,25 @@ def test_plan_suggest_on_the_command_line():
     assert "run the first with: python pretrain.py recipes/llama2-7b.yaml parallel." in out.stdout
     out = _plan("recipes/llama2-7b.yaml", "model.n_layers=400", "--suggest", "--world-size", "1")
     assert out.returncode == 1 and "none fits" in out.stdout
+
+
+def test_a_plan_notes_a_pipeline_this_machines_deepspeed_refuses(monkeypatch):
+    """A plan is made for the machine that will train, often from another one: where this
+    install's DeepSpeed would refuse the planned pipeline, the plan says so and still exits 0."""
+    from packaging.version import Version
+
+    from megatron_lite.engine import versions
+
+    args = ("recipes/llama2-7b.yaml", "parallel.pipeline=2", "parallel.zero_stage=1", "--world-size", "8")
+    monkeypatch.setattr(versions, "deepspeed_version", lambda: Version("0.19.5"))
+    out = _plan(*args)
+    assert out.returncode == 0, out.stderr
+    note = out.stdout.splitlines()[-1]
+    assert note.startswith("note: this machine's DeepSpeed refuses this layout: parallel.pipeline=2 does "
+                           "not train correctly on DeepSpeed 0.19.5"), out.stdout
+    suggested = _plan("recipes/llama2-7b.yaml", "--suggest", "--world-size", "8")
+    assert "parallel.pipeline=2" in suggested.stdout
+    assert "refuses layouts with parallel.pipeline > 1 above" in suggested.stdout.splitlines()[-1]
+    assert "note:" not in _plan("recipes/llama2-7b.yaml", "--world-size", "8").stdout  # no pipeline
+    monkeypatch.setattr(versions, "deepspeed_version", lambda: Version("0.19.6"))
+    assert "note:" not in _plan(*args).stdout
