@@ -190,19 +190,15 @@ def _plan(cfg, values: dict, suggest: bool = False, recipe: str = "RECIPE") -> i
 def _refused_here(cfg, lines: list[str], suggest: bool) -> list[str]:
     """Notes on what this machine's DeepSpeed would refuse of the plan. A plan is often made on
     another machine than the one that trains (a login node, a laptop), so a note, not a failure."""
-    import importlib.metadata
     import re
 
     from megatron_lite.engine.versions import pipeline_problem
 
-    try:
-        if suggest:
-            stages = [int(n) for line in lines for n in re.findall(r"parallel\.pipeline=(\d+)", line)]
-            problem = pipeline_problem(max(stages, default=1))
-        else:
-            problem = pipeline_problem(cfg.parallel.pipeline)
-    except importlib.metadata.PackageNotFoundError:  # planning where DeepSpeed is not installed
-        return []
+    if suggest:  # the stages of the layouts listed
+        stages = [int(n) for line in lines for n in re.findall(r"parallel\.pipeline=(\d+)", line)]
+        problem = pipeline_problem(max(stages, default=1))
+    else:
+        problem = pipeline_problem(cfg.parallel.pipeline)
     if problem is None:
         return []
     which = "layouts with parallel.pipeline > 1 above" if suggest else "this layout"
