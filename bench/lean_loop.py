@@ -199,7 +199,9 @@ def main() -> None:
     if a.lean:
         lean(a.iters, a.prefix, json.loads(a.settings))
         return
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    # Ours picks DeepSpeed's accelerator from training.device itself: a DS_ACCELERATOR=cpu set
+    # here would have run ours on the CPU under training.device=auto on a GPU machine.
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = a.prefix or f"{tmp}/data/tiny_text_document"
         data = [f"data.prefix={prefix}", f"data.tokenizer.model={Path(prefix).parent / 'chars.json'}"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, char_overrides, cpu_env
+from tests.conftest import NO_TENSORBOARD, REPO, char_overrides, cpu_env
 
 SHORT = ["--warmup", "1", "--steps", "2", "--rounds", "1", "--breakdown", "1"]
 
@@ -65,3 +66,23 @@ def test_bench_loss_speed_names_the_path_the_trainer_takes():
     for row in rows:
         tokens, vocab = (int(x) for x in row.split("(")[0].split(" x "))
         assert row.endswith("plain" if tokens * vocab <= SMALL_LOGITS else "fused"), row
+
+
+def test_bench_lean_loop_times_both_loops_with_the_same_evaluation(tmp_path):
+    """bench/lean_loop.py runs ours and the nanoGPT-structure loop in one invocation and prints
+    the ratio, each run's validation loss and phases. Run without DS_ACCELERATOR (ours picks its
+    accelerator from training.device, as a user's run does)."""
+    env = {k: v for k, v in cpu_env().items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, str(REPO / "bench/lean_loop.py"), "--iters", "4", "--rounds", "1",
+                           f"--prefix={tmp_path}/data/tiny_text_document", *char_overrides(tmp_path)[:3],
+                           NO_TENSORBOARD, "training.eval_interval=2", "training.eval_iters=2",
+                           "training.sample_tokens=5"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    round1 = re.search(r"round 1: ours [0-9.]+ s \(val ([0-9.]+)\) \| lean loop [0-9.]+ s \(val ([0-9.]+)\) "
+                       r"\| lean / ours ([0-9.]+)", proc.stdout)
+    assert round1, proc.stdout
+    ours, lean, ratio = map(float, round1.groups())
+    assert 0 < ours < 5 and 0 < lean < 5 and ratio > 0  # character-level losses start near ln 65
+    assert re.search(r"ours: startup [0-9.]+ s, training [0-9.]+ s, evaluation [0-9.]+ s", proc.stdout)
+    assert "4 iterations, 1 rounds: lean / ours median" in proc.stdout
