@@ -3,7 +3,8 @@
 them (each a fresh process: start-up, data, training, evaluation).
 
     python bench/lean_loop.py [--iters 2000] [--rounds 3] [dotted.key=value ...]
-    python bench/lean_loop.py training.device=cuda training.precision=bf16   # on a GPU
+    python bench/lean_loop.py training.device=cuda training.precision=bf16 training.compile=true
+        # on a GPU, as nanoGPT runs there (bf16, fused AdamW, the model compiled)
 
 The lean loop is this file run with ``--lean``: a minimal GPT module (learned positions,
 LayerNorm, the recipe's GELU MLP, tied embeddings, torch's scaled-dot-product attention), a memmap
@@ -14,7 +15,9 @@ the same evaluation work: every ``training.eval_interval`` steps and at the end,
 ``training.eval_iters`` validation batches and a ``training.sample_tokens``-token sample. Ours is
 ``python pretrain.py recipes/shakespeare-char.yaml`` with the same iterations and no
 checkpoints. Rounds alternate the two; the ratio is lean seconds / ours (above 1: ours is
-faster), and each run's last validation loss is printed next to it.
+faster), and each run's last validation loss is printed next to it. Under
+``training.compile=true`` the lean model is compiled whole, as nanoGPT compiles its own (the
+sample's growing lengths run eager); ours compiles its blocks.
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ def lean(iters: int, prefix: str, r: dict) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
                              {"params": other, "weight_decay": 0.0}],
                             lr=o["lr"], betas=(o["beta1"], o["beta2"]), fused=device == "cuda")
+    sampler = model  # the sample's growing lengths: eager, as nanoGPT samples outside its loop
+    if t["compile"]:  # as nanoGPT compiles on a GPU (and ours under training.compile=true)
+        model = torch.compile(model)
 
     def lr_at(step: int) -> float:
         if step < s["warmup_iters"]:
@@ -132,7 +138,7 @@ def lean(iters: int, prefix: str, r: dict) -> None:
         idx = torch.zeros((1, 1), dtype=torch.long, device=device)
         for _ in range(t["sample_tokens"]):  # the sample, as the recipe generates one
             with autocast:
-                logits = model(idx[:, -seq:])[:, -1, :].float() / t["sample_temperature"]
+                logits = sampler(idx[:, -seq:])[:, -1, :].float() / t["sample_temperature"]
             v, _ = torch.topk(logits, min(t["sample_top_k"], vocab))
             logits[logits < v[:, [-1]]] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
