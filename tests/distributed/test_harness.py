@@ -31,7 +31,7 @@ def _args(tmp) -> list[str]:
 
 def test_the_old_raise_together_fails_naming_the_call(tmp_path):
     proc = subprocess.run(_launch("tests/distributed/old_raise_together.py", *_args(tmp_path),
-                                    "training.iters=2", f"logging.dir={tmp_path}/run"),
+                                  "training.iters=2", f"logging.dir={tmp_path}/run"),
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
