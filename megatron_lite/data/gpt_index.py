@@ -5,10 +5,15 @@ sample comes from, with Megatron-LM's GPTDataset semantics:
 
 - document index: the split's document ids, shuffled anew each epoch, epochs concatenated
   (enough epochs to cover the samples; every document is seen once per epoch);
-- sample index ``(num_samples + 1, 2)``: for sample ``i``, the position in the document index and
-  the token offset where it starts; a sample reads ``seq_length + 1`` tokens up to the next
-  sample's start (+1), across document boundaries;
-- shuffle index: the order in which samples are served.
+- sample index ``(planned + 1, 2)`` (whole blocks, below): for sample ``i``, the position in
+  the document index and the token offset where it starts; a sample reads ``seq_length + 1``
+  tokens up to the next sample's start (+1), across document boundaries;
+- shuffle index: the order in which samples are served, shuffled within blocks of one epoch's
+  worth of samples, each block by its own seed: the first ``k`` samples served are the same
+  whatever the number of samples asked for, so a run resumed with more steps (``training.iters``),
+  another batch size or another rollback budget goes on reading where it stopped (Megatron-LM
+  shuffles over all the epochs it plans: a run that needs one epoch more reads another order
+  from its start).
 
 Built with numpy in one pass (cumulative sums and a binary search instead of Megatron's
 per-document loop), so 10M documents take seconds. The cache entry is keyed by a hash of
@@ -26,7 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+SAMPLE_ORDER = 2
+"""How the served order is made, recorded with each checkpoint's data phases. 1: one permutation
+of all the samples planned (it changed with the run's length); 2: a permutation per block."""
 
 
 @dataclass(frozen=True)
@@ -62,21 +70,29 @@ def epochs_needed(split_tokens: int, seq_length: int, num_samples: int) -> int:
 
 
 def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]:
-    """Document, sample and shuffle indices for ``spec`` from per-document token ``lengths``."""
+    """Document, sample and shuffle indices for ``spec`` from per-document token ``lengths``.
+
+    The sample index covers whole blocks (``per_block`` samples, about an epoch's tokens), so a
+    sample served from a block may lie past ``num_samples``; the shuffle index holds the first
+    ``num_samples`` positions of the served order."""
     docs = np.arange(spec.doc_begin, spec.doc_end, dtype=np.int32)
     split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
-    epochs = epochs_needed(split_tokens, spec.seq_length, spec.num_samples)
-    # Separate streams: epoch e's document order depends only on (seed, e), the sample order
-    # only on (seed, number of samples).
+    per_block = max(1, split_tokens // spec.seq_length)
+    blocks = -(-spec.num_samples // per_block)
+    planned = blocks * per_block
+    epochs = epochs_needed(split_tokens, spec.seq_length, planned)
+    # Separate streams: epoch e's document order depends only on (seed, e), block b's sample
+    # order only on (seed, b): nothing depends on the number of samples asked for.
     doc_index = np.concatenate([np.random.default_rng([spec.seed, 1, e]).permutation(docs)
                                 for e in range(epochs)])
     doc_ends = np.cumsum(lengths[doc_index], dtype=np.int64)  # token end of each position
-    starts = np.arange(spec.num_samples + 1, dtype=np.int64) * spec.seq_length
+    starts = np.arange(planned + 1, dtype=np.int64) * spec.seq_length
     pos = np.searchsorted(doc_ends, starts, side="right")
     offsets = starts - (doc_ends[pos] - lengths[doc_index[pos]])
     sample_index = np.stack([pos, offsets], axis=1)
-    shuffle_index = np.random.default_rng([spec.seed, 2]).permutation(spec.num_samples).astype(
-        np.uint32 if spec.num_samples < 2**32 else np.int64)
+    order = np.concatenate([b * per_block + np.random.default_rng([spec.seed, 2, b]).permutation(per_block)
+                            for b in range(blocks)]) if blocks else np.zeros(0, np.int64)
+    shuffle_index = order[:spec.num_samples].astype(np.uint32 if planned < 2**32 else np.int64)
     return {"document": doc_index, "sample": sample_index, "shuffle": shuffle_index}
 
 

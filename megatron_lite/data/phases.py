@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_lite.config.schema import DataConfig
+from megatron_lite.data.gpt_index import SAMPLE_ORDER
 
 
 class DataPhaseError(ValueError):
@@ -30,11 +31,12 @@ def _dataset_id(prefix: str) -> list:
 
 def identity(cfg: DataConfig) -> dict:
     """What decides the training samples, apart from the sequence length (checked with the
-    model): the dataset(s) and weights, the split and the shuffling seed."""
+    model): the dataset(s) and weights, the split, the shuffling seed and the release's way of
+    ordering documents' samples (``order``)."""
     return {
         "prefix": _dataset_id(cfg.prefix) if cfg.prefix else None,
         "blend": [[e.weight, *_dataset_id(e.prefix)] for e in cfg.blend],
-        "split": cfg.split, "split_by": cfg.split_by, "seed": cfg.seed,
+        "split": cfg.split, "split_by": cfg.split_by, "seed": cfg.seed, "order": SAMPLE_ORDER,
     }
 
 
@@ -60,6 +62,13 @@ def phases_at_resume(saved: list[dict] | None, cfg: DataConfig, step: int, consu
             "the recipe's")
         return [{"phase": 0, "step": 0, "start": 0, "data": current}]
     last = saved[-1]
+    if last["data"].get("order", 1) != SAMPLE_ORDER:  # not a choice of the recipe: a note, not a refusal
+        if cfg.split_by == "documents":
+            log(f"{source} was saved by a release whose sample order depended on the run's length: "
+                f"from sample {consumed} on, the samples follow this release's order, in which some "
+                "already read may come again")
+        last = {**last, "data": {**last["data"], "order": SAMPLE_ORDER}}
+        saved = [*saved[:-1], last]
     diff = differences(last["data"], current)
     if not diff:
         return saved

@@ -66,3 +66,31 @@ def test_each_blend_entry_is_reported_under_its_name():
     cfg = DataConfig(blend=[BlendEntry("/d/web_text_document"), BlendEntry("/e/web_text_document"),
                             BlendEntry("/d/code_text_document", name="code")])
     assert blend_names(cfg) == ["web_text_document.0", "web_text_document.1", "code"]
+
+
+def test_a_blend_serves_the_same_first_samples_whatever_the_run_length(tmp_path):
+    """Raising training.iters (or the batch size) at a resume plans more samples: the ones a
+    run has read, and the ones it reads next, stay the same in every dataset of a blend."""
+    from megatron_lite.config.schema import BlendEntry, DataConfig, TokenizerConfig
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+    from megatron_lite.data.source import build_data
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "chars.json").write_text('["a", "b", "c", "d"]')
+    entries = []
+    for name, docs, weight in (("web", 40, 0.7), ("code", 25, 0.3)):
+        w = IndexedDatasetWriter(tmp_path / f"{name}_text_document", np.int32)
+        for n in rng.integers(3, 30, docs):
+            w.add_documents([rng.integers(0, 4, n)])
+        w.finalize()
+        entries.append(BlendEntry(str(tmp_path / f"{name}_text_document"), weight=weight))
+    cfg = DataConfig(prefix=None, blend=entries, seq_length=8, split="90,10,0",
+                     tokenizer=TokenizerConfig(type="char", model=str(tmp_path / "chars.json")))
+
+    def first(n: int, k: int) -> list[list[int]]:
+        train = build_data(cfg, n, 8).train
+        return [train[i].tolist() for i in range(k)]
+
+    short = first(120, 120)  # a run of 10 steps of 12 samples: several epochs of each dataset
+    assert first(1200, 120) == short
+    assert first(121, 120) == short

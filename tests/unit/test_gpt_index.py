@@ -38,7 +38,8 @@ def test_samples_match_the_shuffled_document_stream(dataset, seq, samples, begin
         assert sorted(epoch.tolist()) == list(range(begin, end))
     stream = _reference_stream(ds, doc_index)
     pointers_tok = ds.pointers // ds.dtype.itemsize
-    assert sorted(idx["shuffle"].tolist()) == list(range(samples))
+    served = idx["shuffle"].tolist()  # distinct samples of whole blocks (an epoch's worth each)
+    assert len(set(served)) == samples and max(served) < len(idx["sample"]) - 1
     for i in range(samples):
         j = int(idx["shuffle"][i])
         got = sample_tokens(ds.tokens, pointers_tok, ds.lengths, idx, i, seq)
@@ -84,4 +85,25 @@ def test_more_samples_extend_the_same_document_order(dataset):
     large = build_indices(ds.lengths, IndexSpec(dataset, 0, 60, 8, 400, seed=5))
     n = small["document"].size
     np.testing.assert_array_equal(large["document"][:n], small["document"])
-    np.testing.assert_array_equal(large["sample"][:51], small["sample"])
+    np.testing.assert_array_equal(large["sample"][:len(small["sample"])], small["sample"])
+
+
+@pytest.mark.parametrize("begin, end", [(0, 60), (10, 12)])
+def test_the_samples_served_first_do_not_depend_on_how_many_are_asked_for(dataset, begin, end):
+    """A run resumed with more steps (or another batch size) must read on where it stopped:
+    sample i is the same whether 37, 50 or 400 samples are planned (several epochs of the
+    second split)."""
+    ds = IndexedDataset(dataset)
+    pointers_tok = ds.pointers // ds.dtype.itemsize
+
+    def served(n: int) -> list[list[int]]:
+        idx = build_indices(ds.lengths, IndexSpec(dataset, begin, end, 8, n, seed=5))
+        return [sample_tokens(ds.tokens, pointers_tok, ds.lengths, idx, i, 8).tolist() for i in range(n)]
+
+    longest = served(400)
+    for n in (1, 37, 50):
+        assert served(n) == longest[:n], n
+    per_block = int(ds.lengths[begin:end].sum()) // 8
+    for b in range(len(longest) // per_block):  # no sample twice within an epoch's worth
+        block = [tuple(t) for t in longest[b * per_block:(b + 1) * per_block]]
+        assert len(set(block)) == per_block
