@@ -7,7 +7,7 @@ Layout of ``checkpoint.dir``::
         manifest.json      written last: step, data position, config, topology, files + SHA-256
         rank_00000.pt ...  one file per rank (its fragments, RNG states; rank 0: trainer state)
     .tmp-step_00002000/    a save in progress (never loaded; removed when found at start)
-    .lock                  held (flock) by the run using the directory; names its host and pid
+    .lock                  locked (fcntl) by the run using the directory; names its host and pid
     rollbacks.json         the run's spike rollbacks: data windows skipped, rollbacks used
 
 A checkpoint is committed by renaming its temporary directory after every rank has written and
@@ -205,8 +205,12 @@ def read_latest(root: Path) -> Path | None:
 def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
     """Rank 0, before anything in ``root`` is read or removed: take the directory for this run.
 
-    An exclusive ``flock`` on ``root/.lock``, held until the process ends (the kernel drops it
-    when the process dies, so a crashed run leaves no stale lock): a second run on the same
+    An exclusive POSIX lock (``fcntl.lockf``) on ``root/.lock``, held until the process ends
+    (the kernel drops it when the process dies, so a crashed run leaves no stale lock). Not
+    ``flock``: a ``flock`` belongs to the open file, which forked children (data-loader workers)
+    share and keep for a while after the run is killed, refusing its restart; a POSIX lock
+    belongs to the process and is not inherited (and is dropped when the process closes any
+    descriptor of the file: nothing else opens ``.lock``). A second run on the same
     directory (a requeued job beside a live one) is refused before it can delete the live run's
     save in progress. ``fresh`` (``checkpoint.resume=false``) also refuses a directory that
     holds committed checkpoints: the new run's saves, retention and ``latest`` would mix with
@@ -216,8 +220,8 @@ def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
     root.mkdir(parents=True, exist_ok=True)
     lock = open(root / LOCK, "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
         lock.seek(0)
         holder = lock.read().strip() or "holder unknown"
         lock.close()

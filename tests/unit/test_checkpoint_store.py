@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -137,6 +138,7 @@ def test_a_replaced_copy_whose_replacement_never_arrived_is_put_back(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
+import os
 import re
 from pathlib import Path
 from megatron_lite.checkpoint import store
@@ -168,6 +170,51 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_deletes_nothing(tm
     lock, warning = store.claim(tmp_path, fresh=False)
     assert lock is not None and warning is None
     lock.close()
+
+
+HOLD_LOCK_WITH_WORKERS = """
+import sys, time
+from pathlib import Path
+import torch
+from megatron_lite.checkpoint import store
+lock, _ = store.claim(Path(sys.argv[1]), fresh=False)
+class Slow(torch.utils.data.Dataset):
+    def __len__(self): return 1000
+    def __getitem__(self, i): time.sleep(600); return i
+batches = iter(torch.utils.data.DataLoader(Slow(), num_workers=2, persistent_workers=True))
+print(" ".join(str(w.pid) for w in batches._workers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_runs_data_loader_workers_do_not_keep_its_directory(tmp_path):
+    """Killed at once (SIGKILL), a run leaves its forked data-loader workers alive for a while;
+    the run's restart must not find the directory in use by them."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import cpu_env
+
+    run = subprocess.Popen([sys.executable, "-c", HOLD_LOCK_WITH_WORKERS, str(tmp_path)], cwd=REPO,
+                           env=cpu_env(), stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in run.stdout.readline().split()]
+    try:
+        assert len(workers) == 2
+        run.kill()
+        run.wait()
+        for pid in workers:
+            os.kill(pid, 0)  # still alive: the case that matters
+        lock, warning = store.claim(tmp_path, fresh=False)
+        assert lock is not None and warning is None
+        lock.close()
+    finally:
+        run.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
