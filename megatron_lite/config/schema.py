@@ -409,7 +409,8 @@ class TrainingConfig:
     exit_duration_mins: Optional[float] = None
     """Save a checkpoint and exit 0 once the run has been going this many minutes (set it a few
     minutes under the job's walltime), counted from the launcher's start where it exports
-    ``LAUNCH_START_EPOCH`` (launch/polaris.sh), else from the process's; null: no limit."""
+    ``LAUNCH_START_EPOCH`` (launch/polaris.sh), else from the process's; null: no limit. Without
+    ``checkpoint.dir`` the stop saves nothing and exits 1 (no later job could continue)."""
     throughput_warmup_steps: int = 2
     """The first steps of each start of the process (compilation, allocator and optimizer-state
     warm-up) that tokens/s, samples/s, TFLOP/s and MFU leave out; a record whose steps are all

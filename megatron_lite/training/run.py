@@ -34,6 +34,7 @@ from megatron_lite.model import (
     resolve_model,
 )
 from megatron_lite.training.build import build, refuse_what_this_machine_cannot_run
+from megatron_lite.training.saving import UnsavedEnd
 from megatron_lite.training.trainer import RunResult, Trainer
 
 FINISHED_FILE = "finished.json"
@@ -208,6 +209,12 @@ def _run_on_groups(cfg: Config, dims, acc, on_record) -> RunResult:
         result = trainer.train()
     finally:
         logger.close()
+    if result.stopped is not None and checkpointer is None:
+        # Stopping early is the hand-over to the next job (Megatron's exit-duration): without a
+        # checkpoint there is nothing to hand over, and the run did not finish as asked.
+        raise UnsavedEnd(f"stopped at step {result.steps} of {iters} ({result.stopped}) with nothing "
+                         "saved: checkpoint.dir is null, so no later job can continue this run; set "
+                         "checkpoint.dir, or drop training.exit_duration_mins to train to the end")
     if result.final_val_loss is not None and result.stopped is None:
         log(f"final validation loss {result.final_val_loss:.4f} after {result.steps} steps")
     if result.stopped is None:

@@ -15,8 +15,9 @@ from megatron_lite.logging import MetricsLogger
 
 
 class UnsavedEnd(CheckpointError):
-    """Training reached its last step, whose save failed: the same on every rank (every rank
-    learns of a failed save), so one rank reports it."""
+    """The run ended without the checkpoint it needed: its last step's save failed, or it
+    stopped early (the time limit) with no ``checkpoint.dir`` to save to. The same on every rank
+    (every rank learns of a failed save; the stop is agreed), so one rank reports it."""
 
 
 class SavePolicy:

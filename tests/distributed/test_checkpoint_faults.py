@@ -71,6 +71,14 @@ def test_time_limit_saves_and_exits_zero(tmp_path):
     assert "at the last step: no step is left to train" in proc.stdout, proc.stdout[-2000:]
     assert json.loads((tmp_path / "run2/finished.json").read_text())["steps"] == 1
 
+    # Without a checkpoint.dir the stop hands nothing over: not a success.
+    proc = run_pretrain([*_args(tmp_path, "training.iters=1000", "training.exit_duration_mins=0.001"),
+                         f"logging.dir={tmp_path}/run3"])
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"error: stopped at step \d+ of 1000 \(training.exit_duration_mins=0.001 reached\) "
+                     r"with nothing saved: checkpoint.dir is null", proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "run3/finished.json").exists()
+
 
 SMALL_FS = 14 * 2**20
 """Room for one checkpoint of the test model (~9.8 MB), not two."""
