@@ -7,6 +7,7 @@ reports all of them at once. Checks that need the world size live in ``ParallelD
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ def _check_choices(obj: Any, prefix: str, problems: list[str]) -> None:
         if allowed is not None and value not in allowed:
             shown = ", ".join(repr(a) for a in allowed)
             problems.append(f"'{path}' = {value!r} is not allowed; choose one of {shown}")
+        if isinstance(value, float) and not math.isfinite(value):  # inf passes every "> 0"
+            problems.append(f"'{path}' = {value} must be a finite number")
         if dataclasses.is_dataclass(value):
             _check_choices(value, path + ".", problems)
 
@@ -176,6 +179,20 @@ def validate(cfg: Config) -> list[str]:
     need(ev.harness_batch_size >= 1,
          f"'eval.harness_batch_size' = {ev.harness_batch_size} must be at least 1")
     need(t.eval_interval >= 0, f"'training.eval_interval' = {t.eval_interval} must be 0 or more")
+    for key, value, ok, allowed in [  # what torch and numpy would refuse later, or misuse silently
+        ("model.init_std", m.init_std, m.init_std > 0, "positive"),
+        ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, "0 or more"),
+        ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        ("optimizer.eps", o.eps, o.eps >= 0, "0 or more"),
+        ("data.seed", d.seed, d.seed >= 0, "0 or more"), ("training.seed", t.seed, t.seed >= 0, "0 or more"),
+        ("training.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, "0 (no sample) or more"),
+        ("training.sample_temperature", t.sample_temperature, t.sample_temperature >= 0, "0 or more"),
+        ("training.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, "0 (all tokens) or more"),
+        ("training.exit_duration_mins", t.exit_duration_mins,
+         t.exit_duration_mins is None or t.exit_duration_mins > 0, "positive (minutes) or null"),
+    ]:
+        need(ok, f"'{key}' = {value} must be {allowed}")
     if t.kernels == "liger":
         need(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1,
              f"'training.kernels' = 'liger' replaces the single-device output layer; with "

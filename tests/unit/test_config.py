@@ -42,6 +42,26 @@ def test_all_problems_reported_together():
     assert "optimizer.min_lr" in text and "global_batch_size" in text
 
 
+@pytest.mark.parametrize("override, says", [
+    ("optimizer.lr=inf", "'optimizer.lr' = inf must be a finite number"),
+    ("model.init_std=inf", "'model.init_std' = inf must be a finite number"),
+    ("model.init_std=-1", "'model.init_std' = -1.0 must be positive"),
+    ("optimizer.beta1=1.0", "'optimizer.beta1' = 1.0 must be in [0, 1)"),
+    ("optimizer.beta2=1.5", "'optimizer.beta2' = 1.5 must be in [0, 1)"),
+    ("optimizer.weight_decay=-1", "'optimizer.weight_decay' = -1.0 must be 0 or more"),
+    ("data.seed=-1", "'data.seed' = -1 must be 0 or more"),
+    ("training.sample_temperature=-1", "'training.sample_temperature' = -1.0 must be 0 or more"),
+    ("training.exit_duration_mins=-1", "'training.exit_duration_mins' = -1.0 must be positive"),
+    ("training.exit_duration_mins=0", "'training.exit_duration_mins' = 0.0 must be positive"),
+])
+def test_values_torch_would_refuse_late_or_use_wrongly_are_recipe_problems(override, says):
+    """Each passed the recipe check once and then trained on NaN, failed with a traceback after
+    the model was built, or stopped at the first step with exit status 0."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "recipes/shakespeare-char.yaml", [override])
+    assert says in str(e.value)
+
+
 def test_base_recipe_and_cli_override_precedence(tmp_path: Path):
     (tmp_path / "parent.yaml").write_text(
         "model: {n_layers: 3, d_model: 64, n_heads: 4}\ntraining: {iters: 7}\n"
