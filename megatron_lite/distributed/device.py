@@ -99,6 +99,14 @@ def select_accelerator(device: str, hpu_mode: str = "lazy"):
                            f"bridge was loaded with PT_HPU_LAZY_MODE={have}: export PT_HPU_LAZY_MODE="
                            f"{want} before starting Python (launch/gaudi.sh does), or set "
                            f"training.hpu_mode to match")
+    if device == "cuda" and not torch.cuda.is_available():  # else a traceback from DeepSpeed's set_device
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "this process sees no GPU"
+        raise DeviceError(f"training.device=cuda, but {why} (torch {torch.__version__}): run on a GPU node "
+                          "with a CUDA build of torch, or set training.device=cpu (auto: what is there)")
+    if device == "hpu" and "habana_frameworks" not in sys.modules and importlib.util.find_spec(
+            "habana_frameworks") is None:
+        raise DeviceError("training.device=hpu, but Habana's PyTorch bridge (habana_frameworks) is not "
+                          "installed: run on a Gaudi node in Habana's container, or set training.device=cpu")
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
     else:

@@ -39,6 +39,16 @@ def _float8_api():
     return Float8Linear, Float8LinearConfig, convert_to_float8_training
 
 
+def float8_library_problem() -> str | None:
+    """Why ``model.fp8`` cannot run with this machine's libraries (torchao missing or built for
+    another torch), or None: checked before any data or model work."""
+    try:
+        _float8_api()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def convert_blocks_to_float8(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` inside the transformer blocks of ``model`` (a whole model or a
     pipeline stage) for torchao's ``Float8Linear``; returns how many were swapped."""

@@ -10,6 +10,7 @@ size 1 every step leaves the layer as it is.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -217,19 +218,28 @@ def compile_blocks(module: nn.Module, backend: str) -> int:
     return len(blocks)
 
 
+def loss_kernel_problem(kernels: str, device_type: str) -> str | None:
+    """Why ``training.kernels`` cannot run on this device with this machine's libraries, or None."""
+    if kernels == "torch":
+        return None
+    if device_type != "cuda":
+        return (f"training.kernels=liger runs Liger Kernel's Triton kernels, which need a CUDA GPU; "
+                f"this run is on '{device_type}': use training.kernels=torch")
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ("training.kernels=liger needs the liger-kernel package: pip install liger-kernel (or use "
+                "training.kernels=torch)")
+    return None
+
+
 def use_loss_kernel(module: nn.Module, kernels: str, device_type: str) -> int:
     """``training.kernels``: put a library's fused output layer + loss into every single-device
     output layer; returns how many. ``torch`` keeps ``model/loss.py``."""
     if kernels == "torch":
         return 0
-    if device_type != "cuda":
-        raise RuntimeError(f"training.kernels=liger runs Liger Kernel's Triton kernels, which need a "
-                           f"CUDA GPU; this run is on '{device_type}': use training.kernels=torch")
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except ImportError as e:
-        raise RuntimeError("training.kernels=liger needs the liger-kernel package: pip install "
-                           "liger-kernel (or use training.kernels=torch)") from e
+    problem = loss_kernel_problem(kernels, device_type)
+    if problem:
+        raise RuntimeError(problem)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     heads = [m for m in module.modules() if isinstance(m, LMHead)]
     for head in heads:
         head.loss_fn = liger_fused_linear_cross_entropy

@@ -20,11 +20,12 @@ from megatron_lite.distributed.parallel_dims import ParallelDims
 from megatron_lite.engine.initialize import build_engine, partitioned_init
 from megatron_lite.engine.versions import pipeline_problem
 from megatron_lite.model import flops_per_token, require_document_end, resolve_model
-from megatron_lite.model.float8 import convert_blocks_to_float8
+from megatron_lite.model.float8 import convert_blocks_to_float8, float8_library_problem
 from megatron_lite.parallel import build_parallel_model
 from megatron_lite.parallel.apply import (
     InitialValue,
     compile_blocks,
+    loss_kernel_problem,
     use_device_kernels,
     use_loss_kernel,
     use_loss_mask,
@@ -92,6 +93,8 @@ def refuse_what_this_machine_cannot_run(cfg: Config, dims: ParallelDims, acc) ->
     def check() -> None:
         p = cfg.parallel
         for problem in (devmod.float8_problem(acc) if cfg.model.fp8 else None,
+                        float8_library_problem() if cfg.model.fp8 else None,
+                        loss_kernel_problem(cfg.training.kernels, acc.device_name()),
                         devmod.nvme_problem(acc, p.offload_optimizer, p.offload_params),
                         pipeline_problem(p.pipeline)):
             if problem:

@@ -318,6 +318,16 @@ def test_nvme_offload_on_a_machine_without_libaio_is_refused_before_anything_is_
     assert not (tmp_path / "nvme").exists() and not (tmp_path / "data").exists()  # before any work
 
 
+def test_liger_kernels_off_a_gpu_are_refused_before_anything_is_built(tmp_path):
+    """One line, exit 2, before the dataset: not a traceback from the model's build."""
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "training.kernels=liger"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: training.kernels=liger runs Liger Kernel's Triton kernels, which need "
+                           "a CUDA GPU; this run is on 'cpu'"), line
+    assert not (tmp_path / "data").exists()
+
+
 PRETEND_DEEPSPEED = """
 import runpy, sys
 from packaging.version import Version

@@ -88,6 +88,20 @@ def test_devices_without_a_float8_path_are_refused():
     assert "does not run on hpu; set model.fp8=false" in float8_problem(Accelerator("hpu"))
 
 
+def test_float8_without_torchao_is_refused_with_the_fix(monkeypatch):
+    import sys
+
+    from megatron_lite.model.float8 import float8_library_problem
+
+    assert float8_library_problem() is None  # installed here
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao: ImportError
+    problem = float8_library_problem()
+    assert problem.startswith("'model.fp8' = true needs torchao's float8 training") and \
+        "pip install torchao" in problem and "model.fp8=false" in problem
+
+
 def test_compiled_float8_blocks_match_eager_ones():
     """training.compile after model.fp8 (the GPU recipes' combination): inductor fuses the casts
     and scales into the blocks; the loss and gradients stay eager float8's."""

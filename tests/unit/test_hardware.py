@@ -3,6 +3,7 @@ no-ops elsewhere and plug into the same seams the CPU path uses."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -211,6 +212,24 @@ def test_a_bridge_loaded_in_another_mode_is_refused(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
     with pytest.raises(RuntimeError, match="training.hpu_mode=eager needs PT_HPU_LAZY_MODE=0.*export"):
         devmod.select_accelerator("hpu", "eager")
+
+
+@pytest.mark.parametrize("cuda_build, says", [(None, "this torch is built without CUDA"),
+                                               ("12.8", "this process sees no GPU")])
+def test_cuda_asked_for_where_there_is_none_is_a_device_error(monkeypatch, cuda_build, says):
+    """Not DeepSpeed's set_device traceback (AttributeError: torch._C has no _cuda_setDevice)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    with pytest.raises(devmod.DeviceError, match=f"training.device=cuda, but {says} .*training.device=cpu"):
+        devmod.select_accelerator("cuda")
+
+
+def test_hpu_asked_for_without_habanas_bridge_is_a_device_error(monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    monkeypatch.delitem(sys.modules, "habana_frameworks", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(devmod.DeviceError, match="training.device=hpu, but Habana's PyTorch bridge"):
+        devmod.select_accelerator("hpu")
 
 
 def test_sampling_on_a_device_that_compiles_per_shape_feeds_one_shape():
