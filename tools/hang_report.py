@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path, help="the run's logging.dir (or its hang/ folder)")
     p.add_argument("--stacks", action="store_true", help="print every rank's stacks too")
     a = p.parse_args(argv)
-    folder = a.run_dir if a.run_dir.name == "hang" else a.run_dir / "hang"
+    folder = a.run_dir / "hang"
+    if not folder.is_dir() and a.run_dir.name == "hang":  # the hang/ folder itself (a run
+        folder = a.run_dir                                 # directory may be named hang too)
     dumps = read_dumps(folder)
     if not dumps:
         print(f"error: no rank*.json under {folder}: no rank reported a hang there "

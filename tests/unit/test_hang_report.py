@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -18,16 +20,18 @@ def _dump(rank: int, waiting: list[dict], begun: int, function: str) -> dict:
             "threads": [{"thread": "MainThread", "main": True, "frames": frames}]}
 
 
-def test_the_verdict_names_the_missing_rank_and_the_silent_one(tmp_path):
-    hang = tmp_path / "hang"
-    hang.mkdir()
+@pytest.mark.parametrize("run_dir, given", [("run", "run"), ("run", "run/hang"), ("hang", "hang")],
+                         ids=["run-dir", "its-hang-folder", "run-dir-named-hang"])
+def test_the_verdict_names_the_missing_rank_and_the_silent_one(tmp_path, run_dir, given):
+    hang = tmp_path / run_dir / "hang"
+    hang.mkdir(parents=True)
     w = {"name": "all_reduce", "what": "stop flags", "group_name": "control", "group": [0, 1, 2],
          "backend": "gloo", "seq": 7, "waited_s": 42.0}
     (hang / "rank0.json").write_text(json.dumps(_dump(0, [w], 7, "_train_record")))
     (hang / "rank1.json").write_text(json.dumps(_dump(1, [], 6, "compute_something")))
     (hang / "rank2.json").write_text('{"rank": 2, "wai')  # torn by a kill mid-write
     (hang / "rank3.json").write_text("[1, 2]")  # not a dump at all
-    out = subprocess.run([sys.executable, "tools/hang_report.py", str(tmp_path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "tools/hang_report.py", str(tmp_path / given)], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     verdict, *ranks = out.stdout.splitlines()
