@@ -314,7 +314,10 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
                             n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=n_inner,
                             layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-                            activation_function="gelu_new" if cfg.activation == "gelu" else "gelu", **ids)
+                            activation_function="gelu_new" if cfg.activation == "gelu" else "gelu",
+                            # Not the class's 0.1: the model trains with model.dropout, in the same
+                            # three places (attention weights, residual branches, embeddings).
+                            attn_pdrop=cfg.dropout, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, **ids)
         return hf_cfg, gpt2_to_hf(sd, cfg)
     if cfg.qk_norm:
         hf_cfg = Qwen3Config(
@@ -323,7 +326,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
             use_sliding_window=False, tie_word_embeddings=cfg.tie_embeddings,
-            rope_scaling=_hf_rope_scaling(cfg), **ids,
+            rope_scaling=_hf_rope_scaling(cfg), attention_dropout=cfg.dropout, **ids,
         )
         return hf_cfg, llama_to_hf(sd, cfg)
     if cfg.qkv_bias:
@@ -332,7 +335,8 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, use_sliding_window=False,
-            tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg), **ids,
+            tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg),
+            attention_dropout=cfg.dropout, **ids,
         )
         return hf_cfg, llama_to_hf(sd, cfg)
     hf_cfg = LlamaConfig(
@@ -340,6 +344,7 @@ def to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
-        tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg), **ids,
+        tie_word_embeddings=cfg.tie_embeddings, rope_scaling=_hf_rope_scaling(cfg),
+        attention_dropout=cfg.dropout, **ids,  # (transformers' Llama drops out nowhere else)
     )
     return hf_cfg, llama_to_hf(sd, cfg)

@@ -271,3 +271,21 @@ def test_export_writes_the_given_token_ids_and_null_for_the_others(make_hf):
     assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (5, [6, 7], None)
     hf_cfg, _ = to_hf(sd, cfg)
     assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (None, None, None)
+
+
+@pytest.mark.parametrize("make_hf", MODELS, ids=IDS)
+def test_export_writes_the_models_dropout_not_the_classes_default(make_hf):
+    """GPT2Config's default is 0.1 in three places: a model trained without dropout, exported
+    with it, gave other logits at every call in training mode (continued training elsewhere)."""
+    cfg, sd = from_hf(make_hf())
+    for dropout in (0.0, 0.2):
+        hf_cfg, hf_sd = to_hf(sd, dataclasses.replace(cfg, dropout=dropout))
+        names = (("attn_pdrop", "resid_pdrop", "embd_pdrop") if isinstance(hf_cfg, GPT2Config)
+                 else ("attention_dropout",))
+        assert [getattr(hf_cfg, n) for n in names] == [dropout] * len(names)
+    hf_cfg, hf_sd = to_hf(sd, dataclasses.replace(cfg, dropout=0.0))
+    hf = type(make_hf())(hf_cfg).train()
+    hf.load_state_dict(hf_sd, strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, hf(tokens).logits, rtol=0, atol=0)
