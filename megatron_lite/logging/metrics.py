@@ -62,6 +62,27 @@ class MetricsLogger:
             if self._wandb_state is not None:
                 self._safely(str(self._wandb_state), lambda: self._save_wandb_state(run_id))
 
+    def start_fresh(self, log) -> None:
+        """This run resumes nothing: ``metrics.jsonl`` left in ``logging.dir`` by an earlier run
+        is moved to ``metrics.K.jsonl`` (as ``spikes.jsonl`` is), so that the file, and the
+        plots made from it, hold one run. Before the run's first record; a failure to move it
+        is a warning (the records are appended after the old ones), never a stop."""
+        path = self.run_dir / "metrics.jsonl"
+        if self._jsonl is None or self._jsonl.tell() == 0:
+            return
+        k = 1
+        while (old := path.with_name(f"metrics.{k}.jsonl")).exists():
+            k += 1
+        try:
+            self._jsonl.close()
+            path.replace(old)
+        except OSError as e:
+            emit_line(f"warning: cannot move {path} from an earlier run aside ({e}); this run's records "
+                      "follow its records", sys.stderr)
+        else:
+            log(f"{path} from an earlier run moved to {old}")
+        self._jsonl = open(path, "a", encoding="utf-8")
+
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (must hold ``step``) to every sink."""
         if not self.enabled:

@@ -133,7 +133,9 @@ class Trainer:
         # Rank 0 cuts spikes.jsonl back (or moves an old one aside): a failure stops every rank.
         on_every_rank(lambda: self.spikes.resume(extra.get("spikes"), log, history), self.dims,
                       f"repairing {self.spikes.path}")
-        if loaded is not None:
+        if loaded is None:
+            self.logger.start_fresh(self.log)
+        else:
             saved_ramp = extra.get("batch_ramp")
             if saved_ramp != (self.plan.ramp and list(self.plan.ramp)):
                 raise ValueError(f"training.rampup_batch_size={self.cfg.training.rampup_batch_size}, but "

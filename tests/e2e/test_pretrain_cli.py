@@ -266,8 +266,14 @@ def test_blend_of_two_datasets_trains_and_reuses_its_index_cache(tmp_path, sp_da
     assert a == b != last["val_loss"]  # two copies of one dataset; the blend interleaves them
     assert math.isfinite(last["test_loss"]) and last["test_loss"] not in (a, last["val_loss"])
     assert f"val_loss/a_text_document {a:.4f}" in first.stdout and "test_loss" in first.stdout
-    check(run_pretrain(args))
+    second = check(run_pretrain(args))
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.json")) == manifests
+    # A second run that resumes nothing (no checkpoint.dir): the file holds its records alone.
+    assert len([r for r in read_metrics(tmp_path / "run") if "val_loss" in r]) == 1
+    assert f"{tmp_path}/run/metrics.jsonl from an earlier run moved to {tmp_path}/run/metrics.1.jsonl" \
+        in second.stdout
+    earlier = map(json.loads, (tmp_path / "run/metrics.1.jsonl").read_text().splitlines())
+    assert [r["val_loss"] for r in earlier if "val_loss" in r] == [last["val_loss"]]
 
 
 def test_a_stale_deepspeed_build_lock_is_named_not_waited_on(tmp_path):
