@@ -206,6 +206,9 @@ class Trainer:
         if self.startup_s is not None:
             self.log(f"startup: {self.startup_s:.1f} s from the process's start to its first step")
         self.interval.restart()
+        if st.step >= self.total_iters:
+            self.log(f"nothing to train: resumed at step {st.step}, and the run has {self.total_iters} "
+                     "(raise training.iters or train_tokens to go on)")
         while st.step < self.total_iters:
             lr = engine.optimizer.param_groups[0]["lr"]
             batch = self.plan.batch(st.step)

@@ -70,6 +70,10 @@ def test_time_limit_saves_and_exits_zero(tmp_path):
                               env={"LAUNCH_START_EPOCH": str(time.time() - 3600)}))
     assert "at the last step: no step is left to train" in proc.stdout, proc.stdout[-2000:]
     assert json.loads((tmp_path / "run2/finished.json").read_text())["steps"] == 1
+    # Resumed again at its last step: nothing to train, and said so (not a silent exit 0).
+    proc = check(run_pretrain([*_args(tmp_path, "training.iters=1"), f"checkpoint.dir={tmp_path}/ck2",
+                               f"logging.dir={tmp_path}/run2"]))
+    assert "nothing to train: resumed at step 1, and the run has 1 (raise training.iters" in proc.stdout
 
     # Without a checkpoint.dir the stop hands nothing over: not a success.
     proc = run_pretrain([*_args(tmp_path, "training.iters=1000", "training.exit_duration_mins=0.001"),

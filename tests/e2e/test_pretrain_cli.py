@@ -33,6 +33,15 @@ def test_help():
     assert "--print-config" in proc.stdout and "--dry-run" in proc.stdout
 
 
+@pytest.mark.parametrize("flags", [["--dry-run", "--plan"], ["--print-config", "--dry-run"], ["--suggest"],
+                                   ["--dry-run", "--suggest"]])
+def test_two_modes_at_once_are_a_usage_error_not_one_of_them_silently(flags):
+    proc = pretrain_main(["recipes/quickstart.yaml", *flags])
+    assert proc.returncode == 2 and proc.stdout == ""
+    said = f"error: {' '.join(flags)}: give one of --print-config, --dry-run, --plan"
+    assert proc.stderr.startswith(said), proc.stderr
+
+
 def test_print_config_applies_overrides():
     proc = check(run_pretrain([RECIPE, "--print-config", "model.n_layers=7"]))
     assert "n_layers: 7" in proc.stdout
