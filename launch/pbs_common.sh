@@ -136,7 +136,9 @@ pbs_walltime() {  # sets SIGNAL_AFTER_S (empty: unknown) and HANG_GRACE_S
     if [[ -n "$left_s" ]]; then
         SIGNAL_AFTER_S=$((left_s - margin_min * 60))
         if ((SIGNAL_AFTER_S > 0)) && [[ " ${OVERRIDES_ARR[*]:-} " != *" training.exit_duration_mins="* ]]; then
-            OVERRIDES_ARR+=("training.exit_duration_mins=$((SIGNAL_AFTER_S / 60))")
+            # Whole minutes, or hundredths under one (a short test job: 0 would be no time at all).
+            OVERRIDES_ARR+=("training.exit_duration_mins=$(awk -v s="$SIGNAL_AFTER_S" \
+                'BEGIN {m = int(s / 60); print (m >= 1 ? m : int(s / 0.6) / 100)}')")
         fi
     fi
 }

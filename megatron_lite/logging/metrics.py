@@ -27,6 +27,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.run_dir = run_dir
         self._jsonl = None
+        self._records = 0  # written by this run (start_fresh moves only an earlier run's file)
         self._tb = None
         self._wandb = None
         self._wandb_floor = self._wandb_step = -1
@@ -68,7 +69,7 @@ class MetricsLogger:
         plots made from it, hold one run. Before the run's first record; a failure to move it
         is a warning (the records are appended after the old ones), never a stop."""
         path = self.run_dir / "metrics.jsonl"
-        if self._jsonl is None or self._jsonl.tell() == 0:
+        if self._jsonl is None or self._records or not path.is_file() or path.stat().st_size == 0:
             return
         k = 1
         while (old := path.with_name(f"metrics.{k}.jsonl")).exists():
@@ -103,6 +104,7 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
 
+        self._records += 1
         self._safely(str(self.run_dir / "metrics.jsonl"), write)
 
     def _safely(self, sink: str, fn) -> None:
