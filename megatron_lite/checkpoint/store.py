@@ -7,7 +7,7 @@ Layout of ``checkpoint.dir``::
         manifest.json      written last: step, data position, config, topology, files + SHA-256
         rank_00000.pt ...  one file per rank (its fragments, RNG states; rank 0: trainer state)
     .tmp-step_00002000/    a save in progress (never loaded; removed when found at start)
-    .lock                  locked (fcntl) by the run using the directory; names its host and pid
+    .lock                  held (flock) by the run using the directory; names its host and pid
     rollbacks.json         the run's spike rollbacks: data windows skipped, rollbacks used
 
 A checkpoint is committed by renaming its temporary directory after every rank has written and
@@ -202,16 +202,54 @@ def read_latest(root: Path) -> Path | None:
     return root / name
 
 
+_HELD: set[int] = set()
+"""Descriptors of the directory locks this process holds."""
+
+
+def _drop_locks_in_child() -> None:
+    # The child's copy must not keep the lock's open file alive; /dev/null keeps the descriptor
+    # number valid for the file object the child inherited (closing it is harmless).
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in _HELD:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+class _HeldLock:
+    """The open lock file, registered in ``_HELD`` until closed."""
+
+    def __init__(self, file: IO):
+        self.file, self.fd = file, file.fileno()
+        _HELD.add(self.fd)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def close(self) -> None:
+        _HELD.discard(self.fd)
+        self.file.close()
+
+    def __del__(self) -> None:
+        if not self.file.closed:
+            self.close()
+
+
 def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
     """Rank 0, before anything in ``root`` is read or removed: take the directory for this run.
 
-    An exclusive POSIX lock (``fcntl.lockf``) on ``root/.lock``, held until the process ends
-    (the kernel drops it when the process dies, so a crashed run leaves no stale lock). Not
-    ``flock``: a ``flock`` belongs to the open file, which forked children (data-loader workers)
-    share and keep for a while after the run is killed, refusing its restart; a POSIX lock
-    belongs to the process and is not inherited (and is dropped when the process closes any
-    descriptor of the file: nothing else opens ``.lock``). A second run on the same
-    directory (a requeued job beside a live one) is refused before it can delete the live run's
+    An exclusive ``flock`` on ``root/.lock``, held while the returned file is open (the kernel
+    drops it when the process dies, so a crashed run leaves no stale lock). A ``flock`` belongs
+    to the open file, which forked children (data-loader workers) would share and keep for a
+    while after the run is killed, refusing its restart: in a forked child the descriptor is
+    pointed at /dev/null at once (``_drop_locks_in_child``). Not a POSIX ``lockf``, which no fork
+    inherits, but which a second claim in the same process would not see, and which closing
+    any other descriptor of the file would drop. A second run on the same directory (a requeued
+    job beside a live one) is refused before it can delete the live run's
     save in progress. ``fresh`` (``checkpoint.resume=false``) also refuses a directory that
     holds committed checkpoints: the new run's saves, retention and ``latest`` would mix with
     another run's. Returns the open lock file (keep it open) and a warning when the filesystem
@@ -220,8 +258,8 @@ def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
     root.mkdir(parents=True, exist_ok=True)
     lock = open(root / LOCK, "a+")
     try:
-        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "holder unknown"
         lock.close()
@@ -233,7 +271,7 @@ def claim(root: Path, fresh: bool) -> tuple[IO | None, str | None]:
         lock, warning = None, (f"warning: cannot lock {root} ({e}); make sure no other run uses this "
                                "checkpoint.dir")
     else:
-        warning = None
+        lock, warning = _HeldLock(lock), None
     if fresh:
         existing = committed_steps(root)
         if existing or (root / LATEST).exists():

@@ -217,6 +217,25 @@ def test_a_killed_runs_data_loader_workers_do_not_keep_its_directory(tmp_path):
                 pass
 
 
+def test_a_second_claim_in_the_same_process_is_refused_and_leaves_the_first_held(tmp_path):
+    """Two trainers in one process (a notebook, Ray's local mode) must not share a directory;
+    the refused claim must not release the first one's lock either."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cpu_env
+
+    first, _ = store.claim(tmp_path, fresh=False)
+    with pytest.raises(CheckpointError, match="in use by another run"):
+        store.claim(tmp_path, fresh=False)
+    other = subprocess.run([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, env=cpu_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert "in use by another run" in other.stderr, other.stdout + other.stderr  # still held
+    first.close()
+    again, _ = store.claim(tmp_path, fresh=False)
+    again.close()
+
+
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     lock, _ = store.claim(tmp_path, fresh=True)  # empty: fine
     lock.close()
