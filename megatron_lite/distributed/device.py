@@ -81,6 +81,11 @@ class DeviceError(RuntimeError):
     """The device asked for cannot be used here (its software is missing): the same on every rank."""
 
 
+class LocalDeviceError(DeviceError):
+    """This rank's node lacks the device asked for (no GPU visible, no Habana bridge): found
+    before any process group exists and nodes differ, so every rank reports its own."""
+
+
 def cpu_unless_accelerator() -> None:
     """With no GPU and no Gaudi software, tell DeepSpeed it is the CPU (spares its probing and
     warning); call before DeepSpeed is imported."""
@@ -101,12 +106,14 @@ def select_accelerator(device: str, hpu_mode: str = "lazy"):
                            f"training.hpu_mode to match")
     if device == "cuda" and not torch.cuda.is_available():  # else a traceback from DeepSpeed's set_device
         why = "this torch is built without CUDA" if torch.version.cuda is None else "this process sees no GPU"
-        raise DeviceError(f"training.device=cuda, but {why} (torch {torch.__version__}): run on a GPU node "
-                          "with a CUDA build of torch, or set training.device=cpu (auto: what is there)")
+        raise LocalDeviceError(f"training.device=cuda, but {why} (torch {torch.__version__}): run on a "
+                               "GPU node with a CUDA build of torch, or set training.device=cpu (auto: "
+                               "what is there)")
     if device == "hpu" and "habana_frameworks" not in sys.modules and importlib.util.find_spec(
             "habana_frameworks") is None:
-        raise DeviceError("training.device=hpu, but Habana's PyTorch bridge (habana_frameworks) is not "
-                          "installed: run on a Gaudi node in Habana's container, or set training.device=cpu")
+        raise LocalDeviceError("training.device=hpu, but Habana's PyTorch bridge (habana_frameworks) is "
+                               "not installed: run on a Gaudi node in Habana's container, or set "
+                               "training.device=cpu")
     if device != "auto":
         os.environ["DS_ACCELERATOR"] = device
     else:

@@ -105,7 +105,7 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     from megatron_lite.distributed import TopologyError, detect
     from megatron_lite.distributed.collectives import CollectiveError, first_line
     from megatron_lite.distributed.cpu_extensions import StaleBuildLock
-    from megatron_lite.distributed.device import DeviceError
+    from megatron_lite.distributed.device import DeviceError, LocalDeviceError
     from megatron_lite.model import VocabularyError
     from megatron_lite.spikes import SpikeStop
     from megatron_lite.training.control import Stopped, stop_on_signals
@@ -124,6 +124,8 @@ def train_outcome(cfg: Config, env: LaunchEnv | None = None,
     except Stopped as e:
         return (128 + e.signum, f"stopped by {e} (a signal saves a checkpoint only once training runs, "
                 "with checkpoint.dir and checkpoint.save_on_signal; the last checkpoint is kept)", True)
+    except LocalDeviceError as e:  # this node's own: every rank says whether it is one
+        return 2, f"rank {(env or detect()).rank}: {e}", True
     except (TopologyError, InitFromError, DeviceError, VocabularyError) as e:  # the same on every rank
         return 2, str(e), False
     except UnsavedEnd as e:  # the same on every rank

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,6 +342,19 @@ def test_liger_kernels_off_a_gpu_are_refused_before_anything_is_built(tmp_path):
     assert line.startswith("error: training.kernels=liger runs Liger Kernel's Triton kernels, which need "
                            "a CUDA GPU; this run is on 'cpu'"), line
     assert not (tmp_path / "data").exists()
+
+
+def test_cuda_asked_for_on_a_node_without_it_is_said_by_every_rank(tmp_path):
+    """Found before the process groups exist, and nodes differ: each rank says it for itself
+    (tests/unit/test_exit_reason.py: rank 1 alone), not DeepSpeed's set_device traceback."""
+    proc = run_pretrain([RECIPE, *char_overrides(tmp_path), "training.device=cuda",
+                         "training.micro_batch_size=6"], nproc=2)
+    assert proc.returncode != 0
+    # Each rank that gets to speak before the launcher stops it names itself.
+    said = re.findall(r"error: rank (\d): training.device=cuda, but this torch is built without CUDA",
+                      proc.stderr)
+    assert said and len(said) == len(set(said)), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
 
 
 PRETEND_DEEPSPEED = """

@@ -60,3 +60,21 @@ def test_a_rank_whose_peer_exited_says_so_in_one_line(monkeypatch, capsys, resto
     assert status == 1 and reason.startswith("rank 0: another rank stopped first (its line says why): "
                                              "RuntimeError: Connection closed by peer")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_node_without_the_device_is_named_by_its_own_rank(monkeypatch, capsys, restore_signal_handlers):
+    """No process group exists yet and nodes differ: rank 1 lacking the GPU must say so itself
+    (reported once, only rank 0 would speak, and it has a GPU)."""
+    import megatron_lite.training.run as run_module
+    from megatron_lite.distributed.device import LocalDeviceError
+
+    def no_gpu_here(cfg, env, on_record):
+        raise LocalDeviceError("training.device=cuda, but this process sees no GPU")
+
+    monkeypatch.setattr(run_module, "run", no_gpu_here)
+    cfg = load_config(REPO / "recipes/shakespeare-char.yaml", [])
+    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1",
+                    master_port=29500, launcher="torchrun")
+    assert entry.train_to_exit_status(cfg, env) == 2
+    said = capsys.readouterr().err.strip()
+    assert said == "error: rank 1: training.device=cuda, but this process sees no GPU"
