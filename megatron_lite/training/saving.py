@@ -94,12 +94,13 @@ class SavePolicy:
             return
         self.log(f"the checkpoint save of step {step} completed: {path}")
 
-    def require_saved(self, step: int) -> None:
-        """The run has reached its last step ``step``: raise ``UnsavedEnd`` unless that
-        step's save succeeded (whatever ``checkpoint.on_save_failure`` says). A run whose trained
-        state is on no disk has not finished: no exit status 0, no ``finished.json``, and the
-        same command resumes from the last good checkpoint. The same on every rank (a failed
-        save is reported everywhere)."""
+    def require_saved(self, step: int, stopped: str | None = None) -> None:
+        """The run has reached its last step ``step``, or stopped there (``stopped``: why, a
+        signal or the time limit): raise ``UnsavedEnd`` unless that step's save succeeded
+        (whatever ``checkpoint.on_save_failure`` says). A run whose trained state is on no disk
+        has not finished, nor handed over to the next job: no exit status 0, no
+        ``finished.json``, and the same command resumes from the last good checkpoint. The same
+        on every rank (a failed save is reported everywhere)."""
         if not self.failures:
             return
         fixed = "once the cause is fixed, the same command"
@@ -108,7 +109,8 @@ class SavePolicy:
         else:
             since = (f"the last good checkpoint is step {self.last_good[0]}; {fixed} resumes from it "
                      f"and trains the {step - self.last_good[0]} steps after it again")
-        raise UnsavedEnd(f"training reached its last step ({step}) but could not save it "
+        reached = f"stopped at step {step} ({stopped})" if stopped else f"reached its last step ({step})"
+        raise UnsavedEnd(f"training {reached} but could not save it "
                          f"({self.failures} save(s) in a row failed; the errors are above): {since}")
 
     def warn_if_old(self, step: int, consumed_samples: int) -> None:

@@ -287,8 +287,7 @@ class Trainer:
         self.profiler.close()
         if self.saves is not None:
             self.saves.finish()
-            if result.stopped is None:
-                self.saves.require_saved(st.step)
+            self.saves.require_saved(st.step, result.stopped)
         result.steps = st.step
         return result
 

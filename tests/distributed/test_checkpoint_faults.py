@@ -150,6 +150,15 @@ def test_write_error_on_a_full_disk_is_reported_on_every_rank_and_continue_train
     assert not (tmp_path / "run/finished.json").exists()
     assert "warning: the last good checkpoint (step 2) is" in proc.stdout
     assert (small / "ck/latest").read_text().strip() == "step_00000002"
+    # A stop (the time limit) whose save fails hands nothing over to the next job: no success.
+    proc = run_pretrain([*_args(tmp_path, "training.iters=1000", "training.exit_duration_mins=0.001"),
+                         *[c for c in ck if not c.startswith("checkpoint.dir")],
+                         f"checkpoint.dir={small}/ck2", f"logging.dir={tmp_path}/stopped"],
+                        timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert re.search(r"error: training stopped at step \d+ \(training.exit_duration_mins=0.001 reached\) but "
+                     r"could not save it", proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "stopped/finished.json").exists()
     assert not list((small / "ck").glob(".tmp-*"))  # the partial save was removed
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
