@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from megatron_lite.config.deepspeed_block import deepspeed_block_problems
 from megatron_lite.config.schema import Config
-from megatron_lite.config.validate import deepspeed_block_problems
 from megatron_lite.distributed.parallel_dims import ParallelDims
 
 

@@ -49,6 +49,9 @@ def test_all_problems_reported_together():
     ("optimizer.beta1=1.0", "'optimizer.beta1' = 1.0 must be in [0, 1)"),
     ("optimizer.beta2=1.5", "'optimizer.beta2' = 1.5 must be in [0, 1)"),
     ("optimizer.weight_decay=-1", "'optimizer.weight_decay' = -1.0 must be 0 or more"),
+    ("optimizer.eps=0", "'optimizer.eps' = 0.0 must be positive"),
+    ("data.blend=[{prefix: a, weight: .inf}, {prefix: b, weight: 1.0}]",
+     "'data.blend[0].weight' = inf must be a finite number"),
     ("data.seed=-1", "'data.seed' = -1 must be 0 or more"),
     ("training.sample_temperature=-1", "'training.sample_temperature' = -1.0 must be 0 or more"),
     ("training.exit_duration_mins=-1", "'training.exit_duration_mins' = -1.0 must be positive"),
@@ -117,7 +120,7 @@ def test_deepspeed_sections_are_every_section_the_installed_deepspeed_reads_as_a
     import deepspeed.runtime.config  # noqa: F401  (loads every module the parser reads keys in)
     from packaging.version import Version
 
-    from megatron_lite.config.validate import DEEPSPEED_SECTIONS
+    from megatron_lite.config.deepspeed_block import DEEPSPEED_SECTIONS
 
     candidates: set[str] = set()
     for name, module in list(sys.modules.items()):
@@ -137,7 +140,7 @@ def test_deepspeed_sections_are_every_section_the_installed_deepspeed_reads_as_a
         listed = set(DEEPSPEED_SECTIONS)
         # The engine refuses these in any form: the recipe builds the optimizer and schedule.
         missing = sections - listed - {"optimizer", "scheduler"}
-        assert not missing, f"add to megatron_lite/config/validate.py DEEPSPEED_SECTIONS: {sorted(missing)}"
+        assert not missing, f"add to config/deepspeed_block.py DEEPSPEED_SECTIONS: {sorted(missing)}"
         for dotted in listed - sections:
             *parents, leaf = dotted.split(".")
             block: dict = {}
