@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: unknown option(s) {sorted(unknown)}; see --help", file=sys.stderr)
         return 2
-    modes = [a for a in argv if a in ("--print-config", "--dry-run", "--plan")]
+    modes = {a for a in argv if a in ("--print-config", "--dry-run", "--plan")}
     if len(modes) > 1 or ("--suggest" in flags and "--plan" not in flags):
         given = " ".join(a for a in argv if a in ("--print-config", "--dry-run", "--plan", "--suggest"))
         print(f"error: {given}: give one of --print-config, --dry-run, --plan (--suggest goes with "

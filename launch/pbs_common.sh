@@ -106,7 +106,8 @@ pbs_count_nodes() {  # $1: ranks per node by default; sets NODEFILE NNODES PPN N
 # ---------------------------------------------------------------- walltime
 # Stop in time to checkpoint: PBS Pro cannot signal a job before its walltime, so this script
 # does. It sets training.exit_duration_mins (the trainer saves and exits 0 that long after its
-# start) and, as a second line, sends SIGUSR1 to mpiexec (which forwards it to the ranks; the
+# start; a recipe without checkpoint.dir has nothing to save and exits 1 there) and, as a second
+# line, sends SIGUSR1 to mpiexec (which forwards it to the ranks; the
 # trainer saves and exits on it, checkpoint.save_on_signal) CHECKPOINT_MARGIN_MIN before walltime.
 # A run still there HANG_GRACE_MIN later is stuck: SIGUSR2 first (every rank writes where it is,
 # distributed/hang.py), then SIGTERM.

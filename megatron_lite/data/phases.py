@@ -57,16 +57,19 @@ def phases_at_resume(saved: list[dict] | None, cfg: DataConfig, step: int, consu
     ``consumed`` under ``data.on_resume=new_phase``; refused under ``check``, every difference
     named. A checkpoint from before phases were recorded is taken to be on this data."""
     current = identity(cfg)
+    order_note = (f"{source} was saved by a release whose sample order depended on the run's length: "
+                  f"from sample {consumed} on, the samples follow this release's order, in which some "
+                  "already read may come again (and a skipped spike window skips other samples)")
     if not saved:
         log(f"{source} records no data identity (saved before data phases): its data is taken to be "
             "the recipe's")
+        if cfg.split_by == "documents":
+            log(order_note)
         return [{"phase": 0, "step": 0, "start": 0, "data": current}]
     last = saved[-1]
     if last["data"].get("order", 1) != SAMPLE_ORDER:  # not a choice of the recipe: a note, not a refusal
         if cfg.split_by == "documents":
-            log(f"{source} was saved by a release whose sample order depended on the run's length: "
-                f"from sample {consumed} on, the samples follow this release's order, in which some "
-                "already read may come again")
+            log(order_note)
         last = {**last, "data": {**last["data"], "order": SAMPLE_ORDER}}
         saved = [*saved[:-1], last]
     diff = differences(last["data"], current)

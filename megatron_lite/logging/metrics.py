@@ -74,15 +74,16 @@ class MetricsLogger:
         k = 1
         while (old := path.with_name(f"metrics.{k}.jsonl")).exists():
             k += 1
-        try:
-            self._jsonl.close()
+        try:  # the open file follows the rename: records go to the old file until the new opens
             path.replace(old)
+            fresh = open(path, "a", encoding="utf-8")
         except OSError as e:
-            emit_line(f"warning: cannot move {path} from an earlier run aside ({e}); this run's records "
-                      "follow its records", sys.stderr)
-        else:
-            log(f"{path} from an earlier run moved to {old}")
-        self._jsonl = open(path, "a", encoding="utf-8")
+            emit_line(f"warning: cannot start a new {path} ({e}); this run's records follow the "
+                      f"earlier run's in {old if old.exists() else path}", sys.stderr)
+            return
+        self._jsonl.close()
+        self._jsonl = fresh
+        log(f"{path} from an earlier run moved to {old}")
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (must hold ``step``) to every sink."""

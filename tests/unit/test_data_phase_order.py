@@ -24,3 +24,11 @@ def test_the_token_split_order_never_depended_on_the_length(tmp_path):
     notes: list[str] = []
     phases = phases_at_resume(_saved_by_an_earlier_release(cfg), cfg, 10, 120, "step 10", notes.append)
     assert notes == [] and phases[-1]["data"] == identity(cfg)
+
+
+def test_a_checkpoint_from_before_data_phases_gets_the_order_note_too(tmp_path):
+    cfg = DataConfig(prefix=str(tmp_path / "d_text_document"), split_by="documents")
+    notes: list[str] = []
+    phases = phases_at_resume(None, cfg, 10, 120, "step 10", notes.append)
+    assert len(notes) == 2 and "records no data identity" in notes[0] and "may come again" in notes[1]
+    assert phases[-1]["data"] == identity(cfg)
