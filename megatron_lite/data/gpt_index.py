@@ -26,12 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 SAMPLE_ORDER = 2
 """How the served order is made, recorded with each checkpoint's data phases. 1: one permutation
 of all the samples planned (it changed with the run's length); 2: a permutation per block."""
@@ -69,17 +69,24 @@ def epochs_needed(split_tokens: int, seq_length: int, num_samples: int) -> int:
     return max(1, -(-(num_samples * seq_length + 1) // split_tokens))
 
 
+def planned_samples(lengths: np.ndarray, spec: IndexSpec) -> int:
+    """``spec.num_samples`` rounded up to whole blocks of about an epoch's samples each: what the
+    index covers, and what its cache entry is keyed on (every run shorter than an epoch of the
+    same data shares one entry; a resume with more steps in the same epoch reuses it)."""
+    split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
+    per_block = max(1, split_tokens // spec.seq_length)
+    return -(-spec.num_samples // per_block) * per_block
+
+
 def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]:
     """Document, sample and shuffle indices for ``spec`` from per-document token ``lengths``.
 
-    The sample index covers whole blocks (``per_block`` samples, about an epoch's tokens), so a
-    sample served from a block may lie past ``num_samples``; the shuffle index holds the first
-    ``num_samples`` positions of the served order."""
+    The sample and shuffle indices cover whole blocks (``planned_samples``): the shuffle index
+    holds the served order of all of them, of which a run reads the first ``num_samples``."""
     docs = np.arange(spec.doc_begin, spec.doc_end, dtype=np.int32)
     split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
     per_block = max(1, split_tokens // spec.seq_length)
-    blocks = -(-spec.num_samples // per_block)
-    planned = blocks * per_block
+    planned = planned_samples(lengths, spec)
     epochs = epochs_needed(split_tokens, spec.seq_length, planned)
     # Separate streams: epoch e's document order depends only on (seed, e), block b's sample
     # order only on (seed, b): nothing depends on the number of samples asked for.
@@ -89,11 +96,15 @@ def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]
     starts = np.arange(planned + 1, dtype=np.int64) * spec.seq_length
     pos = np.searchsorted(doc_ends, starts, side="right")
     offsets = starts - (doc_ends[pos] - lengths[doc_index[pos]])
-    sample_index = np.stack([pos, offsets], axis=1)
-    order = np.concatenate([b * per_block + np.random.default_rng([spec.seed, 2, b]).permutation(per_block)
-                            for b in range(blocks)]) if blocks else np.zeros(0, np.int64)
-    shuffle_index = order[:spec.num_samples].astype(np.uint32 if planned < 2**32 else np.int64)
-    return {"document": doc_index, "sample": sample_index, "shuffle": shuffle_index}
+    del starts, doc_ends
+    # Megatron's int32 where it fits: 8 bytes a sample instead of 16.
+    narrow = max(int(pos[-1]), int(offsets.max())) < 2**31
+    sample_index = np.stack([pos, offsets], axis=1).astype(np.int32 if narrow else np.int64, copy=False)
+    shuffle_index = np.empty(planned, dtype=np.uint32 if planned < 2**32 else np.int64)
+    for b in range(planned // per_block):
+        block = np.random.default_rng([spec.seed, 2, b]).permutation(per_block)
+        shuffle_index[b * per_block:(b + 1) * per_block] = block + b * per_block
+    return {"document": doc_index, "sample": sample_index, "shuffle": shuffle_index[:spec.num_samples]}
 
 
 def _sha256(path: Path) -> str:
@@ -144,18 +155,19 @@ def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
                 fingerprint: str | None = None, build: bool = True) -> tuple[dict[str, np.ndarray], bool]:
     """Cached indices for ``spec``, built and cached when missing or damaged (only where
     ``build``: other ranks must find what a builder rank wrote). Returns (arrays, built_now)."""
-    key = spec.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
+    whole = replace(spec, num_samples=planned_samples(lengths, spec))
+    key = whole.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
     cached = load_cached(cache_dir, key, verify_hash=build)
-    if cached is not None:
-        return cached, False
-    if not build:
+    if cached is None and not build:
         raise FileNotFoundError(
             f"sample index {cache_dir}/{key}.json is missing or damaged on this rank although the "
             "building rank wrote it: if data.cache_dir is not on a filesystem all nodes share, set "
             "data.cache_shared=false")
-    arrays = build_indices(lengths, spec)
-    save_cached(cache_dir, key, arrays, asdict(spec))
-    return arrays, True
+    if cached is None:
+        arrays = build_indices(lengths, whole)
+        save_cached(cache_dir, key, arrays, asdict(whole))
+    arrays = cached if cached is not None else arrays
+    return {**arrays, "shuffle": arrays["shuffle"][:spec.num_samples]}, cached is None
 
 
 def sample_tokens(tokens: np.ndarray, pointers_tok: np.ndarray, lengths: np.ndarray,

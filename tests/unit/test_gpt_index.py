@@ -56,8 +56,12 @@ def test_cache_rebuilds_on_any_change_and_detects_damage(dataset, tmp_path):
     assert not built
     np.testing.assert_array_equal(again["sample"], first["sample"])
     for changed in (IndexSpec(dataset, 0, 60, 9, 50, 1), IndexSpec(dataset, 0, 60, 8, 50, 2),
-                    IndexSpec(dataset, 0, 50, 8, 50, 1), IndexSpec(dataset, 0, 60, 8, 51, 1)):
+                    IndexSpec(dataset, 0, 50, 8, 50, 1), IndexSpec(dataset, 0, 60, 8, 400, 1)):
         assert get_indices(ds.lengths, changed, cache)[1], changed
+    # More samples within the same epoch's block (a resume with more steps): the same entry.
+    longer, built = get_indices(ds.lengths, IndexSpec(dataset, 0, 60, 8, 51, 1), cache)
+    assert not built and len(longer["shuffle"]) == 51
+    np.testing.assert_array_equal(longer["shuffle"][:50], first["shuffle"])
     # The data file changes (new modification time): rebuilt.
     st = os.stat(dataset + ".bin")
     os.utime(dataset + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
