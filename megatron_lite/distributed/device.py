@@ -105,7 +105,8 @@ def select_accelerator(device: str, hpu_mode: str = "lazy"):
                            f"{want} before starting Python (launch/gaudi.sh does), or set "
                            f"training.hpu_mode to match")
     if device == "cuda" and not torch.cuda.is_available():  # else a traceback from DeepSpeed's set_device
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "this process sees no GPU"
+        built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None  # ROCm too
+        why = "this process sees no GPU" if built else "this torch is built without CUDA"
         raise LocalDeviceError(f"training.device=cuda, but {why} (torch {torch.__version__}): run on a "
                                "GPU node with a CUDA build of torch, or set training.device=cpu (auto: "
                                "what is there)")

@@ -239,7 +239,11 @@ def use_loss_kernel(module: nn.Module, kernels: str, device_type: str) -> int:
     problem = loss_kernel_problem(kernels, device_type)
     if problem:
         raise RuntimeError(problem)
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as e:  # installed, but its own dependencies (Triton) are not
+        raise RuntimeError(f"training.kernels=liger: liger-kernel does not import ({e}); fix its "
+                           "installation or use training.kernels=torch") from e
     heads = [m for m in module.modules() if isinstance(m, LMHead)]
     for head in heads:
         head.loss_fn = liger_fused_linear_cross_entropy
