@@ -69,12 +69,16 @@ def epochs_needed(split_tokens: int, seq_length: int, num_samples: int) -> int:
     return max(1, -(-(num_samples * seq_length + 1) // split_tokens))
 
 
+def _per_block(lengths: np.ndarray, spec: IndexSpec) -> int:
+    """Samples in a block: the whole samples of one epoch of the split."""
+    return max(1, int(lengths[spec.doc_begin:spec.doc_end].sum()) // spec.seq_length)
+
+
 def planned_samples(lengths: np.ndarray, spec: IndexSpec) -> int:
-    """``spec.num_samples`` rounded up to whole blocks of about an epoch's samples each: what the
-    index covers, and what its cache entry is keyed on (every run shorter than an epoch of the
-    same data shares one entry; a resume with more steps in the same epoch reuses it)."""
-    split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
-    per_block = max(1, split_tokens // spec.seq_length)
+    """``spec.num_samples`` rounded up to whole blocks: what the index covers, and what its
+    cache entry is keyed on (every run shorter than an epoch of the same data shares one entry;
+    a resume with more steps in the same epoch reuses it)."""
+    per_block = _per_block(lengths, spec)
     return -(-spec.num_samples // per_block) * per_block
 
 
@@ -85,8 +89,7 @@ def build_indices(lengths: np.ndarray, spec: IndexSpec) -> dict[str, np.ndarray]
     holds the served order of all of them, of which a run reads the first ``num_samples``."""
     docs = np.arange(spec.doc_begin, spec.doc_end, dtype=np.int32)
     split_tokens = int(lengths[spec.doc_begin:spec.doc_end].sum())
-    per_block = max(1, split_tokens // spec.seq_length)
-    planned = planned_samples(lengths, spec)
+    per_block, planned = _per_block(lengths, spec), planned_samples(lengths, spec)
     epochs = epochs_needed(split_tokens, spec.seq_length, planned)
     # Separate streams: epoch e's document order depends only on (seed, e), block b's sample
     # order only on (seed, b): nothing depends on the number of samples asked for.
@@ -157,17 +160,17 @@ def get_indices(lengths: np.ndarray, spec: IndexSpec, cache_dir: Path,
     ``build``: other ranks must find what a builder rank wrote). Returns (arrays, built_now)."""
     whole = replace(spec, num_samples=planned_samples(lengths, spec))
     key = whole.key(fingerprint if fingerprint is not None else data_fingerprint(spec.prefix))
-    cached = load_cached(cache_dir, key, verify_hash=build)
-    if cached is None and not build:
+    arrays = load_cached(cache_dir, key, verify_hash=build)
+    built = arrays is None
+    if built and not build:
         raise FileNotFoundError(
             f"sample index {cache_dir}/{key}.json is missing or damaged on this rank although the "
             "building rank wrote it: if data.cache_dir is not on a filesystem all nodes share, set "
             "data.cache_shared=false")
-    if cached is None:
+    if built:
         arrays = build_indices(lengths, whole)
         save_cached(cache_dir, key, arrays, asdict(whole))
-    arrays = cached if cached is not None else arrays
-    return {**arrays, "shuffle": arrays["shuffle"][:spec.num_samples]}, cached is None
+    return {**arrays, "shuffle": arrays["shuffle"][:spec.num_samples]}, built
 
 
 def sample_tokens(tokens: np.ndarray, pointers_tok: np.ndarray, lengths: np.ndarray,
